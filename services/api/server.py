@@ -1,0 +1,99 @@
+"""The public gRPC server: generation service, `grpc.health.v1`, server reflection and
+a Prometheus endpoint, with a graceful stop on SIGTERM/SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Callable
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc as pb_grpc
+from services.api.backend import Backend
+from services.api.servicer import GenerationServicer
+
+log = logging.getLogger(__name__)
+
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
+
+
+class ServerConfig(BaseSettings):
+    """Where and how the public API listens. Env prefix PDSERVE_."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
+
+    host: str = Field("0.0.0.0", description="address the gRPC API binds to")
+    port: int = Field(50051, ge=0, le=65535, description="gRPC API port (0 = any free port)")
+    metrics_port: int = Field(
+        9400, ge=0, le=65535, description="Prometheus /metrics port (0 = off)"
+    )
+    max_message_bytes: int = Field(
+        64 << 20, ge=4 << 20, description="largest gRPC message accepted or sent"
+    )
+    grace_s: float = Field(10.0, ge=0, description="seconds running streams get on shutdown")
+
+
+def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Long streams stay open for minutes: keepalives find dead peers, and the
+        # server lets clients ping during idle streams.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def start_metrics(port: int) -> None:
+    """Serve the process's Prometheus registry (vLLM's `vllm:*` metrics live there)."""
+    if port:
+        from prometheus_client import start_http_server
+
+        start_http_server(port)
+        log.info("metrics on :%d/metrics", port)
+
+
+async def serve(
+    config: ServerConfig,
+    backend: Backend,
+    on_ready: Callable[[int], None] | None = None,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain gracefully."""
+    server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
+    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(backend), server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
+    )
+    port = server.add_insecure_port(f"{config.host}:{config.port}")
+    await server.start()
+    start_metrics(config.metrics_port)
+    for name in ("", GENERATION_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("pdserve (%s) serving %s on %s:%d", backend.mode, backend.facts.name,
+             config.host, port)
+    if on_ready is not None:
+        on_ready(port)
+
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        with contextlib.suppress(NotImplementedError, RuntimeError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining for up to %.0f s", config.grace_s)
+    # NOT_SERVING first, so load balancers stop sending new work while streams finish.
+    await health_servicer.enter_graceful_shutdown()
+    await server.stop(config.grace_s)

@@ -1,0 +1,149 @@
+"""The public gRPC generation service: a thin shell that converts protobuf to the
+backend's terms and back. Validation lives in `validation`, prompt rendering in
+`prompts`, the serving itself in a `Backend`."""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import generate_pb2_grpc as pb_grpc
+from services.api import validation
+from services.api.backend import Backend, Delta
+from services.api.prompts import render
+
+log = logging.getLogger(__name__)
+
+FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+
+def _chunk(delta: Delta) -> pb.GenerateResponse:
+    chunk = pb.Chunk(token_ids=delta.token_ids, text=delta.text)
+    for lp in delta.logprobs or ():
+        chunk.logprobs.append(
+            pb.TokenLogprob(
+                token_id=lp.token_id,
+                logprob=lp.logprob,
+                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
+            )
+        )
+    return pb.GenerateResponse(chunk=chunk)
+
+
+def _final(
+    delta: Delta, request_id: str, prompt_tokens: int, completion_tokens: int,
+    ttft_s: float, e2e_s: float,
+) -> pb.GenerateResponse:
+    timings = pb.Timings(ttft_s=ttft_s, e2e_s=e2e_s)
+    for name, value in delta.timings.items():
+        if math.isfinite(value):
+            setattr(timings, name, value)
+    stop = delta.stop_reason
+    return pb.GenerateResponse(
+        final=pb.Final(
+            finish_reason=FINISH_REASONS.get(delta.finish_reason or "", pb.FINISH_REASON_ABORT),
+            stop_reason="" if stop is None else str(stop),
+            usage=pb.Usage(
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                cached_tokens=delta.num_cached_tokens,
+            ),
+            timings=timings,
+            request_id=request_id,
+        )
+    )
+
+
+class GenerationServicer(pb_grpc.GenerationServiceServicer):
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        facts = backend.facts
+        self.limits = validation.Limits(
+            served_model=facts.name,
+            max_model_len=facts.max_model_len,
+            vocab_size=facts.vocab_size,
+        )
+
+    def _prepare(self, request: pb.GenerateRequest) -> tuple[list[int], Any]:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        validation.check_request_id(request.request_id)
+        validation.check_model(request.model, self.limits)
+        prompt = validation.check_input(request, self.limits)
+        kwargs = validation.sampling_kwargs(request.sampling, self.limits)
+        prompt_ids = render(prompt, self.backend.tokenizer)
+        max_tokens = validation.resolve_max_tokens(request.sampling, len(prompt_ids), self.limits)
+        params = SamplingParams(
+            max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs
+        )
+        return prompt_ids, params
+
+    async def Generate(
+        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.GenerateResponse]:
+        started = time.monotonic()
+        request_id = request.request_id or uuid.uuid4().hex
+        try:
+            prompt_ids, params = self._prepare(request)
+        except validation.RequestError as e:
+            await context.abort(e.code, e.message)
+        except Exception as e:  # a vLLM-side refusal of parameters we let through
+            if type(e).__name__ in ("ValueError", "VLLMValidationError"):
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            raise
+        completion_tokens = 0
+        ttft_s = 0.0
+        try:
+            async for delta in self.backend.generate(prompt_ids, params, request_id):
+                if delta.token_ids or delta.text:
+                    if completion_tokens == 0 and delta.token_ids:
+                        ttft_s = time.monotonic() - started
+                    completion_tokens += len(delta.token_ids)
+                    yield _chunk(delta)
+                if delta.finished:
+                    yield _final(
+                        delta, request_id, len(prompt_ids), completion_tokens,
+                        ttft_s, time.monotonic() - started,
+                    )
+                    return
+        except validation.RequestError as e:
+            await context.abort(e.code, e.message)
+        except Exception as e:
+            name = type(e).__name__
+            if name == "EngineDeadError":
+                log.error("engine died serving %s: %s", request_id, e)
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+            log.exception("request %s failed", request_id)
+            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {name}: {e}")
+        # The engine stream ended without a finished output: it was aborted.
+        await context.abort(grpc.StatusCode.ABORTED, "the request was aborted by the server")
+
+    async def GetModelInfo(
+        self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
+    ) -> pb.GetModelInfoResponse:
+        f = self.backend.facts
+        info = pb.GetModelInfoResponse(
+            model=f.name,
+            max_model_len=f.max_model_len,
+            vocab_size=f.vocab_size,
+            eos_token_ids=list(f.eos_token_ids),
+            has_chat_template=f.has_chat_template,
+            tokenizer=f.tokenizer_class,
+            dtype=f.dtype,
+            serving_mode=self.backend.mode,
+        )
+        if f.bos_token_id is not None:
+            info.bos_token_id = f.bos_token_id
+        return info

@@ -1,0 +1,182 @@
+"""Request validation for the public API: pure functions, no engine, no sockets.
+
+Every rejection names the field and says what is allowed, so a client can fix its
+request without reading the server's code. The same checks serve every front end.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.v1 import generate_pb2 as pb
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_STRING_CHARS = 256
+MAX_STOP_TOKEN_IDS = 64
+MAX_LOGPROBS = 20
+MAX_CHAT_MESSAGES = 1024
+MAX_REQUEST_ID_CHARS = 256
+
+
+class RequestError(Exception):
+    """A request the server refuses; `code` is the gRPC status to answer with."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def invalid(message: str) -> RequestError:
+    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What the served model allows."""
+
+    served_model: str
+    max_model_len: int
+    vocab_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PromptInput:
+    """The prompt in one of its three forms (exactly one is set)."""
+
+    text: str | None = None
+    chat: tuple[tuple[str, str], ...] | None = None
+    token_ids: tuple[int, ...] | None = None
+
+
+def check_model(requested: str, limits: Limits) -> None:
+    if requested and requested != limits.served_model:
+        raise RequestError(
+            grpc.StatusCode.NOT_FOUND,
+            f"model: {requested!r} is not served here; this server serves "
+            f"{limits.served_model!r} (or leave `model` empty)",
+        )
+
+
+def check_input(req: pb.GenerateRequest, limits: Limits) -> PromptInput:
+    kind = req.WhichOneof("input")
+    if kind is None:
+        raise invalid("input: set one of `text`, `chat` or `token_ids`")
+    if kind == "text":
+        if not req.text.strip():
+            raise invalid("text: the prompt is empty")
+        return PromptInput(text=req.text)
+    if kind == "chat":
+        messages = req.chat.messages
+        if not messages:
+            raise invalid("chat.messages: at least one message is needed")
+        if len(messages) > MAX_CHAT_MESSAGES:
+            raise invalid(f"chat.messages: at most {MAX_CHAT_MESSAGES} messages")
+        for i, m in enumerate(messages):
+            if not m.role:
+                raise invalid(f"chat.messages[{i}].role: empty (use system, user or assistant)")
+        if not any(m.content.strip() for m in messages):
+            raise invalid("chat.messages: every message is empty")
+        return PromptInput(chat=tuple((m.role, m.content) for m in messages))
+    ids = tuple(req.token_ids.ids)
+    if not ids:
+        raise invalid("token_ids.ids: the prompt is empty")
+    for i, t in enumerate(ids):
+        if not 0 <= t < limits.vocab_size:
+            raise invalid(
+                f"token_ids.ids[{i}]: {t} is outside the vocabulary "
+                f"(0..{limits.vocab_size - 1})"
+            )
+    return PromptInput(token_ids=ids)
+
+
+def check_request_id(request_id: str) -> None:
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
+
+
+def sampling_kwargs(s: pb.SamplingParams, limits: Limits) -> dict[str, Any]:
+    """Check the sampling fields; return keyword arguments for vLLM's SamplingParams
+    (without max_tokens, which depends on the prompt's length)."""
+    kw: dict[str, Any] = {}
+    if s.HasField("temperature"):
+        if not s.temperature >= 0:  # also catches NaN
+            raise invalid(f"sampling.temperature: {s.temperature} must be >= 0 (0 = greedy)")
+        kw["temperature"] = s.temperature
+    if s.HasField("top_p"):
+        if not 0 < s.top_p <= 1:
+            raise invalid(f"sampling.top_p: {s.top_p} must be in (0, 1]")
+        kw["top_p"] = s.top_p
+    if s.HasField("top_k"):
+        if s.top_k < -1:
+            raise invalid(f"sampling.top_k: {s.top_k} must be -1 or 0 (off), or >= 1")
+        kw["top_k"] = 0 if s.top_k == -1 else s.top_k
+    if s.HasField("min_p"):
+        if not 0 <= s.min_p <= 1:
+            raise invalid(f"sampling.min_p: {s.min_p} must be in [0, 1]")
+        kw["min_p"] = s.min_p
+    for name in ("presence_penalty", "frequency_penalty"):
+        if s.HasField(name):
+            value = getattr(s, name)
+            if not -2 <= value <= 2:
+                raise invalid(f"sampling.{name}: {value} must be in [-2, 2]")
+            kw[name] = value
+    if s.HasField("repetition_penalty"):
+        if not s.repetition_penalty > 0:
+            raise invalid(f"sampling.repetition_penalty: {s.repetition_penalty} must be > 0")
+        kw["repetition_penalty"] = s.repetition_penalty
+    if s.min_tokens < 0:
+        raise invalid(f"sampling.min_tokens: {s.min_tokens} must be >= 0")
+    if s.min_tokens:
+        kw["min_tokens"] = s.min_tokens
+    if len(s.stop) > MAX_STOP_STRINGS:
+        raise invalid(f"sampling.stop: {len(s.stop)} stop strings; at most {MAX_STOP_STRINGS}")
+    for i, stop in enumerate(s.stop):
+        if not stop or len(stop) > MAX_STOP_STRING_CHARS:
+            raise invalid(f"sampling.stop[{i}]: must have 1..{MAX_STOP_STRING_CHARS} characters")
+    if s.stop:
+        kw["stop"] = list(s.stop)
+    if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        raise invalid(f"sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
+    for i, t in enumerate(s.stop_token_ids):
+        if not 0 <= t < limits.vocab_size:
+            raise invalid(f"sampling.stop_token_ids[{i}]: {t} is outside the vocabulary")
+    if s.stop_token_ids:
+        kw["stop_token_ids"] = list(s.stop_token_ids)
+    if s.ignore_eos:
+        kw["ignore_eos"] = True
+    if s.HasField("seed"):
+        kw["seed"] = s.seed
+    if s.HasField("logprobs"):
+        if not 0 <= s.logprobs <= MAX_LOGPROBS:
+            raise invalid(f"sampling.logprobs: {s.logprobs} must be in [0, {MAX_LOGPROBS}]")
+        kw["logprobs"] = s.logprobs
+    return kw
+
+
+def resolve_max_tokens(s: pb.SamplingParams, prompt_len: int, limits: Limits) -> int:
+    """Check the prompt against the context and pick max_tokens (default: the rest of
+    the context, as vLLM does)."""
+    room = limits.max_model_len - prompt_len
+    if room < 1:
+        raise invalid(
+            f"prompt: {prompt_len} tokens leave no room for output in the context of "
+            f"{limits.max_model_len} tokens; shorten the prompt"
+        )
+    if not s.HasField("max_tokens"):
+        return room
+    if s.max_tokens <= 0:
+        raise invalid(f"sampling.max_tokens: {s.max_tokens} must be >= 1")
+    if s.max_tokens > room:
+        raise invalid(
+            f"sampling.max_tokens: {s.max_tokens} is beyond the context: the prompt has "
+            f"{prompt_len} tokens and the context {limits.max_model_len}, so at most {room}"
+        )
+    if s.min_tokens > s.max_tokens:
+        raise invalid(
+            f"sampling.min_tokens: {s.min_tokens} is more than max_tokens {s.max_tokens}"
+        )
+    return s.max_tokens

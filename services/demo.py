@@ -1,0 +1,72 @@
+"""`pdserve demo` (what `make run` does): start a local server, stream one answer, stop."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+from tqdm import tqdm
+
+from services.api.client import PdserveClient
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _wait_and_ask(args: argparse.Namespace, port: int, server: subprocess.Popen[bytes],
+                        log_path: str) -> int:
+    async with PdserveClient(f"127.0.0.1:{port}") as client:
+        started = time.monotonic()
+        with tqdm(desc=f"starting the {args.mode} server (vLLM start-up takes ~30-60 s)",
+                  bar_format="{desc}: {elapsed}") as bar:
+            while True:
+                if server.poll() is not None:
+                    print(f"\nthe server exited with {server.returncode}; its log: {log_path}",
+                          file=sys.stderr)
+                    return 1
+                try:
+                    if await client.health(timeout=1.0) == "SERVING":
+                        break
+                except Exception:
+                    pass
+                bar.update()
+                await asyncio.sleep(0.5)
+        info = await client.model_info()
+        print(f"ready in {time.monotonic() - started:.0f} s: {info.model} "
+              f"({info.serving_mode}, context {info.max_model_len})\n")
+        print(f"> {args.prompt}\n")
+        async for piece in client.stream(chat=[("user", args.prompt)], temperature=0.0,
+                                         max_tokens=args.max_tokens):
+            print(piece.text, end="", flush=True)
+        print("\n")
+    return 0
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    port = args.port or free_port()
+    log = tempfile.NamedTemporaryFile(prefix="pdserve-demo-", suffix=".log", delete=False)
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--mode", args.mode,
+           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
+    server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                              start_new_session=True, env=os.environ.copy())
+    try:
+        return asyncio.run(_wait_and_ask(args, port, server, log.name))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if server.poll() is None:
+            os.killpg(server.pid, signal.SIGTERM)
+            try:
+                server.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(server.pid, signal.SIGKILL)

@@ -1,0 +1,175 @@
+"""The vLLM engine, embedded in-process (`AsyncLLM`), shared by every serving role.
+
+vLLM runs its engine core and model worker in child processes of this one; the
+settings they read from the environment are set here, before they spawn.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from services.engine.config import EngineConfig, cpu_only
+from services.engine.model import resolve_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+    from vllm import RequestOutput, SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelFacts:
+    """What clients may ask about the served model."""
+
+    name: str
+    path: Path
+    max_model_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    has_chat_template: bool
+    tokenizer_class: str
+    dtype: str
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTimings:
+    """Per-request engine timings in seconds, from vLLM's own monotonic stamps."""
+
+    queue_s: float  # queued -> first scheduled
+    prefill_s: float  # first scheduled -> first token
+    decode_s: float  # first token -> last token
+
+    @classmethod
+    def from_output(cls, output: RequestOutput) -> EngineTimings:
+        m: Any = output.metrics
+        if m is None or not getattr(m, "queued_ts", 0.0):
+            return cls(0.0, 0.0, 0.0)
+        return cls(
+            queue_s=max(0.0, m.scheduled_ts - m.queued_ts),
+            prefill_s=max(0.0, m.first_token_ts - m.scheduled_ts),
+            decode_s=max(0.0, m.last_token_ts - m.first_token_ts),
+        )
+
+
+class Engine:
+    """One `AsyncLLM` plus the tokenizer and facts about its model."""
+
+    def __init__(self, config: EngineConfig, kv_transfer_config: Any | None = None) -> None:
+        self.config = config
+        self.model_path = resolve_model(config.model, config.resolved_dtype())
+        self._kv_transfer_config = kv_transfer_config
+        self._llm: AsyncLLM | None = None
+        self._tokenizer: PreTrainedTokenizerBase | None = None
+        self._facts: ModelFacts | None = None
+
+    # -- life cycle -------------------------------------------------------------------
+    def engine_args(self) -> Any:
+        from vllm.engine.arg_utils import AsyncEngineArgs
+
+        c = self.config
+        kwargs: dict[str, Any] = dict(
+            model=str(self.model_path),
+            served_model_name=self.served_name,
+            dtype=c.resolved_dtype(),
+            max_model_len=c.max_model_len,
+            max_num_seqs=c.max_num_seqs,
+            enable_prefix_caching=c.enable_prefix_caching,
+            enforce_eager=c.enforce_eager,
+            seed=c.seed,
+            # Per-request timings (RequestOutput.metrics) exist only with stats on.
+            disable_log_stats=False,
+            kv_transfer_config=self._kv_transfer_config,
+        )
+        if c.block_size:
+            kwargs["block_size"] = c.block_size
+        if c.max_num_batched_tokens:
+            kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+        if not cpu_only():
+            kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
+        return AsyncEngineArgs(**kwargs)
+
+    def start(self) -> None:
+        """Build the engine (tens of seconds on a CPU: spawn, imports, weight load)."""
+        from transformers import AutoTokenizer
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        os.environ.update(self.config.vllm_env())
+        self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
+        log.info("starting vLLM engine for %s", self.model_path)
+        self._llm = AsyncLLM.from_engine_args(self.engine_args())
+        self._facts = self._read_facts()
+
+    def shutdown(self) -> None:
+        if self._llm is not None:
+            self._llm.shutdown()
+            self._llm = None
+
+    # -- facts ------------------------------------------------------------------------
+    @property
+    def served_name(self) -> str:
+        return self.config.served_model_name or self.model_path.name
+
+    @property
+    def llm(self) -> AsyncLLM:
+        if self._llm is None:
+            raise RuntimeError("engine not started")
+        return self._llm
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        if self._tokenizer is None:
+            raise RuntimeError("engine not started")
+        return self._tokenizer
+
+    @property
+    def facts(self) -> ModelFacts:
+        if self._facts is None:
+            raise RuntimeError("engine not started")
+        return self._facts
+
+    def _read_facts(self) -> ModelFacts:
+        tok = self.tokenizer
+        model_config = self.llm.model_config
+        eos = model_config.hf_config.eos_token_id
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
+        return ModelFacts(
+            name=self.served_name,
+            path=self.model_path,
+            max_model_len=int(model_config.max_model_len),
+            vocab_size=int(model_config.get_vocab_size()),
+            eos_token_ids=eos_ids,
+            bos_token_id=tok.bos_token_id,
+            has_chat_template=bool(getattr(tok, "chat_template", None)),
+            tokenizer_class=type(tok).__name__,
+            dtype=str(model_config.dtype).removeprefix("torch."),
+        )
+
+    # -- requests ---------------------------------------------------------------------
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestOutput]:
+        """Stream outputs; closing or cancelling the iterator aborts the request."""
+        try:
+            async for out in self.llm.generate(
+                {"prompt_token_ids": prompt_token_ids}, params, request_id
+            ):
+                yield out
+        finally:
+            # vLLM aborts on cancellation itself; an explicit abort also covers a
+            # consumer that simply stops iterating (aclose).
+            await self.abort(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if self._llm is not None:
+            await self._llm.abort(request_id)
+
+    def num_unfinished(self) -> int:
+        return int(self.llm.get_num_unfinished_requests())
