@@ -54,7 +54,10 @@ async def _wait_and_ask(args: argparse.Namespace, port: int, server: subprocess.
 
 def run_demo(args: argparse.Namespace) -> int:
     port = args.port or free_port()
-    log = tempfile.NamedTemporaryFile(prefix="pdserve-demo-", suffix=".log", delete=False)
+    # The server's log goes to a file that outlives the demo, for when start-up fails.
+    log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+        prefix="pdserve-demo-", suffix=".log", delete=False
+    )
     cmd = [sys.executable, "-m", "services.cli", "serve", "--mode", args.mode,
            "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,

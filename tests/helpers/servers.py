@@ -1,0 +1,87 @@
+"""Start real pdserve processes for tests: `pdserve serve` as a child process on
+loopback ports, stopped with SIGTERM (then SIGKILL) of its whole process group."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class ServerProcess:
+    args: list[str]
+    log_path: Path
+    port: int = field(default_factory=free_port)
+    metrics_port: int = field(default_factory=free_port)
+    env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def target(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        cmd = [sys.executable, "-m", "services.cli", "serve", *self.args,
+               "--host", "127.0.0.1", "--port", str(self.port),
+               "--metrics-port", str(self.metrics_port)]
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
+                                     start_new_session=True, env={**os.environ, **self.env})
+
+    async def wait_ready(self, timeout: float = 300.0) -> None:
+        from services.api.client import PdserveClient
+
+        deadline = time.monotonic() + timeout
+        async with PdserveClient(self.target) as client:
+            while True:
+                assert self.proc is not None
+                if self.proc.poll() is not None:
+                    code = self.proc.returncode
+                    raise RuntimeError(f"server exited ({code}):\n{self.log_tail()}")
+                try:
+                    if await client.health(timeout=1.0) == "SERVING":
+                        return
+                except Exception:
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"server not ready:\n{self.log_tail()}")
+                await asyncio.sleep(0.5)
+
+    def log_tail(self, n: int = 40) -> str:
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+
+    def metrics(self) -> dict[str, float]:
+        """Prometheus samples by name (labels dropped; first sample wins)."""
+        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+        text = urllib.request.urlopen(url, timeout=5).read().decode()
+        out: dict[str, float] = {}
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                out.setdefault(sample.name, sample.value)
+        return out
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()

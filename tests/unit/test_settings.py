@@ -1,0 +1,54 @@
+"""Settings: one model gives env names, CLI flags and defaults."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from services.api.server import ServerConfig
+from services.engine.config import EngineConfig
+from services.settings import add_arguments, env_name, from_arguments
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    add_arguments(parser, ServerConfig)
+    return parser.parse_args(argv)
+
+
+def test_flags_override_env_override_defaults(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_KV_CACHE_GIB", "3")
+    monkeypatch.setenv("PDSERVE_MAX_MODEL_LEN", "1024")
+    cfg = from_arguments(EngineConfig, parse(["--max-model-len", "512", "--no-enforce-eager"]))
+    assert cfg.kv_cache_gib == 3.0  # env
+    assert cfg.max_model_len == 512  # flag beats env
+    assert cfg.enforce_eager is False
+    assert cfg.max_num_seqs == EngineConfig.model_fields["max_num_seqs"].default
+
+
+def test_every_field_has_flag_env_and_help() -> None:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser, EngineConfig)
+    help_text = parser.format_help()
+    for name, field in EngineConfig.model_fields.items():
+        assert field.description, name
+        assert "--" + name.replace("_", "-") in help_text
+        assert env_name(EngineConfig, name) == "PDSERVE_" + name.upper()
+
+
+def test_invalid_values_are_refused() -> None:
+    with pytest.raises(ValueError):
+        EngineConfig(kv_cache_gib=0)
+    with pytest.raises(ValueError):
+        EngineConfig(max_num_seqs=64, max_num_batched_tokens=8)
+    with pytest.raises(SystemExit):
+        parse(["--dtype", "int3"])
+
+
+def test_cpu_env_pins_explicit_cores() -> None:
+    env = EngineConfig(cpu_cores="1", kv_cache_gib=0.5).vllm_env()
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
+    assert EngineConfig().resolved_cores()  # never vLLM's "auto"
