@@ -12,7 +12,9 @@ from typing import Any
 
 from services.api.server import ServerConfig
 from services.engine.config import EngineConfig
+from services.router.local import add_disagg_arguments
 from services.settings import add_arguments, from_arguments
+from services.workers import WorkerConfig
 
 log = logging.getLogger("pdserve")
 
@@ -38,13 +40,14 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 # -- serve --------------------------------------------------------------------------
 async def _serve_colocated(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     from services.api.backend import ColocatedBackend
-    from services.api.server import serve
+    from services.api.server import generation_service, serve
     from services.engine.engine import Engine
 
     engine = Engine(engine_cfg)
     engine.start()
     try:
-        await serve(server_cfg, ColocatedBackend(engine))
+        await serve(server_cfg, [generation_service(ColocatedBackend(engine))],
+                    f"pdserve (colocated) serving {engine.served_name}")
     finally:
         engine.shutdown()
 
@@ -60,9 +63,26 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.mode == "colocated":
             asyncio.run(_serve_colocated(engine_cfg, server_cfg))
         else:
-            from services.disagg.local import serve_disaggregated
+            from services.router.local import serve_disaggregated
 
             asyncio.run(serve_disaggregated(engine_cfg, server_cfg, args))
+    except ModelPrepareError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    from services.engine.model import ModelPrepareError
+    from services.engine.reaper import reap_children_on_exit
+    from services.workers import run_worker
+
+    engine_cfg = from_arguments(EngineConfig, args)
+    server_cfg = from_arguments(ServerConfig, args)
+    worker_cfg = from_arguments(WorkerConfig, args)
+    reap_children_on_exit()
+    try:
+        asyncio.run(run_worker(args.role, engine_cfg, server_cfg, worker_cfg))
     except ModelPrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -180,13 +200,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "prefill worker and decode worker, each pinned to its own cores")
     add_arguments(serve, EngineConfig)
     add_arguments(serve, ServerConfig)
-    try:
-        from services.disagg.local import add_disagg_arguments
-    except ImportError:  # pragma: no cover
-        pass
-    else:
-        add_disagg_arguments(serve)
+    add_disagg_arguments(serve)
     serve.set_defaults(func=cmd_serve)
+
+    for role, text in (("prefill", "run prompts and ship their KV to decode workers"),
+                       ("decode", "receive KV from prefill workers and generate")):
+        worker = sub.add_parser(role, help=f"a {role} worker: {text}")
+        add_arguments(worker, EngineConfig)
+        add_arguments(worker, ServerConfig)
+        add_arguments(worker, WorkerConfig)
+        worker.set_defaults(func=cmd_worker, role=role)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server")
     gen.add_argument("prompt", help="the prompt text")

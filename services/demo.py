@@ -28,7 +28,7 @@ async def _wait_and_ask(args: argparse.Namespace, port: int, server: subprocess.
     async with PdserveClient(f"127.0.0.1:{port}") as client:
         started = time.monotonic()
         with tqdm(desc=f"starting the {args.mode} server (vLLM start-up takes ~30-60 s)",
-                  bar_format="{desc}: {elapsed}") as bar:
+                  bar_format="{desc}: {elapsed}", disable=None) as bar:
             while True:
                 if server.poll() is not None:
                     print(f"\nthe server exited with {server.returncode}; its log: {log_path}",

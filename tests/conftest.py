@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.prompts import TEXT_PROMPTS
-from tests.helpers.servers import ServerProcess
+from tests.helpers.servers import DisaggStack, ServerProcess
 
 REFERENCE_MAX_TOKENS = 24
 
@@ -76,3 +76,25 @@ async def colocated(model_path: Path, session_dir: Path,
         yield server
     finally:
         server.stop()
+
+
+async def start_disagg(session_dir: Path, transport: str) -> AsyncIterator[DisaggStack]:
+    stack = DisaggStack.create(session_dir / f"disagg-{transport}.log", transport)
+    stack.server.start()
+    try:
+        await stack.server.wait_ready(timeout=600)
+        yield stack
+    finally:
+        stack.server.stop()
+
+
+@pytest.fixture(scope="module")
+async def disagg_grpc(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
+    async for stack in start_disagg(session_dir, "grpc"):
+        yield stack
+
+
+@pytest.fixture(scope="module")
+async def disagg_torch(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
+    async for stack in start_disagg(session_dir, "torch"):
+        yield stack

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
+from pdserve.v1 import generate_pb2 as pb
 from services.engine.engine import Engine, EngineTimings, ModelFacts
 
 if TYPE_CHECKING:
@@ -38,6 +39,28 @@ class Delta:
     timings: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """A validated request, in the terms every backend understands."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: pb.SamplingParams  # as the client sent it (forwarded to workers)
+    sampling_kwargs: dict[str, Any]  # validated keyword arguments for vLLM's SamplingParams
+    max_tokens: int  # resolved against the context length
+
+
+def vllm_params(req: GenerationRequest, max_tokens: int | None = None,
+                **overrides: Any) -> SamplingParams:
+    """vLLM SamplingParams streaming deltas, with `overrides` on top."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    kwargs = {**req.sampling_kwargs, **overrides}
+    return SamplingParams(max_tokens=max_tokens or req.max_tokens,
+                          output_kind=RequestOutputKind.DELTA, **kwargs)
+
+
 class Backend(Protocol):
     @property
     def facts(self) -> ModelFacts: ...
@@ -48,9 +71,7 @@ class Backend(Protocol):
     @property
     def mode(self) -> str: ...
 
-    def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[Delta]: ...
+    def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]: ...
 
 
 def _logprobs(out: Any, token_ids: list[int]) -> list[TokenLogprob] | None:
@@ -97,8 +118,7 @@ class ColocatedBackend:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
-    ) -> AsyncIterator[Delta]:
-        async for output in self.engine.generate(prompt_token_ids, params, request_id):
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        params = vllm_params(req)
+        async for output in self.engine.generate(req.prompt_token_ids, params, req.request_id):
             yield delta_from_output(output)

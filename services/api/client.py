@@ -81,6 +81,10 @@ class PdserveClient:
         options = [
             ("grpc.max_send_message_length", max_message_bytes),
             ("grpc.max_receive_message_length", max_message_bytes),
+            # gRPC's default reconnect backoff grows to minutes: a client that starts
+            # before its server would keep failing long after the server is up.
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 2000),
         ]
         self.channel = grpc.aio.insecure_channel(target, options=options)
         self.stub = pb_grpc.GenerationServiceStub(self.channel)

@@ -8,6 +8,7 @@ import contextlib
 import logging
 import signal
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -51,6 +52,9 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 1),
+        # Channels to workers reconnect within seconds after a worker restarts.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
     ]
 
 
@@ -63,27 +67,43 @@ def start_metrics(port: int) -> None:
         log.info("metrics on :%d/metrics", port)
 
 
+@dataclass(frozen=True, slots=True)
+class Service:
+    """One gRPC service to serve: its full name and how to add it to a server."""
+
+    name: str
+    register: Callable[[grpc.aio.Server], None]
+
+
+def generation_service(backend: Backend) -> Service:
+    servicer = GenerationServicer(backend)
+    return Service(GENERATION_SERVICE,
+                   lambda server: pb_grpc.add_GenerationServiceServicer_to_server(servicer, server))
+
+
 async def serve(
     config: ServerConfig,
-    backend: Backend,
+    services: list[Service],
+    banner: str,
     on_ready: Callable[[int], None] | None = None,
     stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until SIGTERM/SIGINT (or `stop` is set), then drain gracefully."""
+    """Serve `services` plus health and reflection until SIGTERM/SIGINT (or `stop` is
+    set), then drain gracefully."""
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
-    pb_grpc.add_GenerationServiceServicer_to_server(GenerationServicer(backend), server)
+    for service in services:
+        service.register(server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection(
-        (GENERATION_SERVICE, health.SERVICE_NAME, reflection.SERVICE_NAME), server
-    )
+    names = [s.name for s in services]
+    reflection.enable_server_reflection((*names, health.SERVICE_NAME, reflection.SERVICE_NAME),
+                                        server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
     start_metrics(config.metrics_port)
-    for name in ("", GENERATION_SERVICE):
+    for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("pdserve (%s) serving %s on %s:%d", backend.mode, backend.facts.name,
-             config.host, port)
+    log.info("%s on %s:%d", banner, config.host, port)
     if on_ready is not None:
         on_ready(port)
 

@@ -9,14 +9,12 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
-from typing import Any
-
 import grpc
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from services.api import validation
-from services.api.backend import Backend, Delta
+from services.api.backend import Backend, Delta, GenerationRequest
 from services.api.prompts import render
 
 log = logging.getLogger(__name__)
@@ -28,7 +26,7 @@ FINISH_REASONS = {
 }
 
 
-def _chunk(delta: Delta) -> pb.GenerateResponse:
+def chunk_message(delta: Delta) -> pb.GenerateResponse:
     chunk = pb.Chunk(token_ids=delta.token_ids, text=delta.text)
     for lp in delta.logprobs or ():
         chunk.logprobs.append(
@@ -48,7 +46,7 @@ def _final(
     timings = pb.Timings(ttft_s=ttft_s, e2e_s=e2e_s)
     for name, value in delta.timings.items():
         if math.isfinite(value):
-            setattr(timings, name, value)
+            setattr(timings, name, type(getattr(timings, name))(value))  # int for byte counts
     stop = delta.stop_reason
     return pb.GenerateResponse(
         final=pb.Final(
@@ -75,20 +73,14 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             vocab_size=facts.vocab_size,
         )
 
-    def _prepare(self, request: pb.GenerateRequest) -> tuple[list[int], Any]:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
+    def _prepare(self, request: pb.GenerateRequest, request_id: str) -> GenerationRequest:
         validation.check_request_id(request.request_id)
         validation.check_model(request.model, self.limits)
         prompt = validation.check_input(request, self.limits)
         kwargs = validation.sampling_kwargs(request.sampling, self.limits)
         prompt_ids = render(prompt, self.backend.tokenizer)
         max_tokens = validation.resolve_max_tokens(request.sampling, len(prompt_ids), self.limits)
-        params = SamplingParams(
-            max_tokens=max_tokens, output_kind=RequestOutputKind.DELTA, **kwargs
-        )
-        return prompt_ids, params
+        return GenerationRequest(request_id, prompt_ids, request.sampling, kwargs, max_tokens)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -96,25 +88,22 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         started = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            prompt_ids, params = self._prepare(request)
+            req = self._prepare(request, request_id)
         except validation.RequestError as e:
             await context.abort(e.code, e.message)
-        except Exception as e:  # a vLLM-side refusal of parameters we let through
-            if type(e).__name__ in ("ValueError", "VLLMValidationError"):
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            raise
+        prompt_tokens = len(req.prompt_token_ids)
         completion_tokens = 0
         ttft_s = 0.0
         try:
-            async for delta in self.backend.generate(prompt_ids, params, request_id):
+            async for delta in self.backend.generate(req):
                 if delta.token_ids or delta.text:
                     if completion_tokens == 0 and delta.token_ids:
                         ttft_s = time.monotonic() - started
                     completion_tokens += len(delta.token_ids)
-                    yield _chunk(delta)
+                    yield chunk_message(delta)
                 if delta.finished:
                     yield _final(
-                        delta, request_id, len(prompt_ids), completion_tokens,
+                        delta, request_id, prompt_tokens, completion_tokens,
                         ttft_s, time.monotonic() - started,
                     )
                     return
@@ -122,6 +111,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             await context.abort(e.code, e.message)
         except Exception as e:
             name = type(e).__name__
+            if name in ("ValueError", "VLLMValidationError"):  # vLLM refused a parameter
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
             if name == "EngineDeadError":
                 log.error("engine died serving %s: %s", request_id, e)
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")

@@ -82,15 +82,18 @@ def check_input(req: pb.GenerateRequest, limits: Limits) -> PromptInput:
             raise invalid("chat.messages: every message is empty")
         return PromptInput(chat=tuple((m.role, m.content) for m in messages))
     ids = tuple(req.token_ids.ids)
+    check_token_ids(ids, limits, "token_ids.ids")
+    return PromptInput(token_ids=ids)
+
+
+def check_token_ids(ids: tuple[int, ...] | list[int], limits: Limits, field: str) -> None:
     if not ids:
-        raise invalid("token_ids.ids: the prompt is empty")
+        raise invalid(f"{field}: the prompt is empty")
     for i, t in enumerate(ids):
         if not 0 <= t < limits.vocab_size:
             raise invalid(
-                f"token_ids.ids[{i}]: {t} is outside the vocabulary "
-                f"(0..{limits.vocab_size - 1})"
+                f"{field}[{i}]: {t} is outside the vocabulary (0..{limits.vocab_size - 1})"
             )
-    return PromptInput(token_ids=ids)
 
 
 def check_request_id(request_id: str) -> None:

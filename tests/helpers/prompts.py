@@ -25,3 +25,11 @@ TEXT_PROMPTS = [
     long_text(400) + " What is this text about?",
     long_text(900) + " Continue the story:",
 ]
+
+
+def prompt_of_length(tokenizer, n_tokens: int, salt: str = "") -> list[int]:  # type: ignore[no-untyped-def]
+    """Exactly `n_tokens` token ids of natural text (`salt` makes a distinct prompt)."""
+    ids: list[int] = list(tokenizer.encode(salt + " " + long_text(n_tokens + 50)))
+    while len(ids) < n_tokens:
+        ids += ids
+    return ids[:n_tokens]

@@ -68,13 +68,7 @@ class ServerProcess:
 
     def metrics(self) -> dict[str, float]:
         """Prometheus samples by name (labels dropped; first sample wins)."""
-        url = f"http://127.0.0.1:{self.metrics_port}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                out.setdefault(sample.name, sample.value)
-        return out
+        return scrape(self.metrics_port)
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -85,3 +79,46 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
+
+
+def scrape(port: int, **labels: str) -> dict[str, float]:
+    """Prometheus samples by name from 127.0.0.1:port; with `labels`, only samples that
+    carry them (other labels dropped; first sample wins)."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                out.setdefault(sample.name, sample.value)
+    return out
+
+
+@dataclass
+class DisaggStack:
+    """`pdserve serve --mode disagg` with its two workers on known ports."""
+
+    server: ServerProcess
+    prefill_port: int = field(default_factory=free_port)
+    decode_port: int = field(default_factory=free_port)
+    prefill_metrics: int = field(default_factory=free_port)
+    decode_metrics: int = field(default_factory=free_port)
+
+    @classmethod
+    def create(cls, log_path: Path, transport: str) -> DisaggStack:
+        stack = cls(ServerProcess([], log_path))
+        stack.server.args = [
+            "--mode", "disagg", "--kv-transport", transport, "--kv-cache-gib", "1",
+            "--allow-fault-injection",
+            "--prefill-port", str(stack.prefill_port), "--decode-port", str(stack.decode_port),
+            "--prefill-metrics-port", str(stack.prefill_metrics),
+            "--decode-metrics-port", str(stack.decode_metrics),
+        ]
+        return stack
+
+    @property
+    def prefill_target(self) -> str:
+        return f"127.0.0.1:{self.prefill_port}"
+
+    @property
+    def decode_target(self) -> str:
+        return f"127.0.0.1:{self.decode_port}"

@@ -1,0 +1,136 @@
+from pdserve.v1 import generate_pb2 as _generate_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class WorkerRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    WORKER_ROLE_UNSPECIFIED: _ClassVar[WorkerRole]
+    WORKER_ROLE_PREFILL: _ClassVar[WorkerRole]
+    WORKER_ROLE_DECODE: _ClassVar[WorkerRole]
+WORKER_ROLE_UNSPECIFIED: WorkerRole
+WORKER_ROLE_PREFILL: WorkerRole
+WORKER_ROLE_DECODE: WorkerRole
+
+class GetWorkerInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_JSON_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_FIELD_NUMBER: _ClassVar[int]
+    MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
+    VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
+    KV_LOAD_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    role: WorkerRole
+    epoch: int
+    fingerprint_digest: str
+    fingerprint_json: str
+    kv_address: str
+    kv_transport: str
+    model: str
+    max_model_len: int
+    vocab_size: int
+    kv_load_failure_policy: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ...) -> None: ...
+
+class KVTarget(_message.Message):
+    __slots__ = ("worker_id", "epoch", "kv_address", "kv_transport", "fingerprint_digest")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    epoch: int
+    kv_address: str
+    kv_transport: str
+    fingerprint_digest: str
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ...) -> None: ...
+
+class TransferHandle(_message.Message):
+    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DECODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_DONE_WALL_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_START_WALL_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    prefill_worker_id: str
+    prefill_epoch: int
+    num_tokens: int
+    decode_epoch: int
+    prefill_done_wall: float
+    prefill_start_wall: float
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ...) -> None: ...
+
+class PrefillRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    sampling: _generate_pb2.SamplingParams
+    target: KVTarget
+    transfer_id: str
+    fault: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ...) -> None: ...
+
+class PrefillResponse(_message.Message):
+    __slots__ = ("first_token_id", "first_token_text", "logprobs", "finished", "finish_reason", "stop_reason", "handle", "queue_s", "prefill_s", "cached_tokens")
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_TEXT_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STOP_REASON_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    first_token_id: int
+    first_token_text: str
+    logprobs: _containers.RepeatedCompositeFieldContainer[_generate_pb2.TokenLogprob]
+    finished: bool
+    finish_reason: _generate_pb2.FinishReason
+    stop_reason: str
+    handle: TransferHandle
+    queue_s: float
+    prefill_s: float
+    cached_tokens: int
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_text: _Optional[str] = ..., logprobs: _Optional[_Iterable[_Union[_generate_pb2.TokenLogprob, _Mapping]]] = ..., finished: _Optional[bool] = ..., finish_reason: _Optional[_Union[_generate_pb2.FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
+
+class DecodeRequest(_message.Message):
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "handle", "fault")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    SAMPLING_FIELD_NUMBER: _ClassVar[int]
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    FAULT_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    first_token_id: int
+    sampling: _generate_pb2.SamplingParams
+    handle: TransferHandle
+    fault: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...

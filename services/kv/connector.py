@@ -1,0 +1,172 @@
+"""pdserve's vLLM KV connector, loaded out of tree through
+`KVTransferConfig(kv_connector="PdserveConnector",
+kv_connector_module_path="services.kv.connector", kv_role="kv_producer"|"kv_consumer")`.
+
+One class, two roles, as vLLM wants it: in the engine-core process it is the scheduler
+half (`SchedulerSide`: which blocks to ship or fill, and when to free them); in each
+worker process it is the worker half (`Producer` ships layers during the forward pass,
+`Consumer` receives transfers and copies blocks into the paged cache).
+
+Settings come in `kv_connector_extra_config` (see `ConnectorSettings`).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from services.kv.consumer import Consumer
+from services.kv.fingerprint import PeerIdentity
+from services.kv.layout import fingerprint_of
+from services.kv.params import PdserveConnectorMetadata
+from services.kv.producer import Producer
+from services.kv.scheduler_side import SchedulerSide
+from services.kv.transport import TransportConfig
+
+if TYPE_CHECKING:
+    import torch
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    """`kv_connector_extra_config` keys, set by the prefill and decode services."""
+
+    worker_id: str
+    epoch: int
+    kv_host: str = "127.0.0.1"  # consumer: where the KV receiver binds
+    kv_port: int = 0  # consumer: its port (the service picks a free one)
+    kv_transport: str = "grpc"  # consumer: receiver kind
+    lease_s: float = 30.0  # producer: blocks held at most this long for an unacked transfer
+    load_timeout_s: float = 30.0  # consumer: longest wait for a complete transfer
+    unknown_grace_s: float = 5.0  # consumer: how long an unseen transfer may take to appear
+    chunk_bytes: int = 1 << 20
+    allow_faults: bool = False  # fault injection (tests, failure drills)
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        known = {k: extra[k] for k in cls.__dataclass_fields__ if k in extra}
+        return cls(**known)
+
+
+class PdserveConnector(KVConnectorBase_V1):
+    # Prompt tokens loaded through us count as peer-to-peer hits in vLLM's
+    # `vllm:prompt_tokens_by_source` metric.
+    _cache_hit_source = CacheHitSource.P2P
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        kv = self._kv_transfer_config
+        self.settings = ConnectorSettings.from_extra(dict(kv.kv_connector_extra_config or {}))
+        self.is_producer = bool(kv.is_kv_producer)
+        block_size = int(vllm_config.cache_config.block_size)
+        self.scheduler: SchedulerSide | None = None
+        self.producer: Producer | None = None
+        self.consumer: Consumer | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            self.scheduler = SchedulerSide(block_size, self.is_producer)
+            return
+        s = self.settings
+        identity = PeerIdentity(s.worker_id, int(s.epoch), fingerprint_of(vllm_config))
+        config = TransportConfig(chunk_bytes=s.chunk_bytes, lease_s=s.lease_s)
+        if self.is_producer:
+            self.producer = Producer(identity, config, s.lease_s, s.allow_faults)
+        else:
+            self.consumer = Consumer(
+                identity,
+                config,
+                s.kv_transport,
+                s.kv_host,
+                s.kv_port,
+                s.load_timeout_s,
+                s.unknown_grace_s,
+                s.allow_faults,
+            )
+            log.info("KV receiver (%s) on %s", s.kv_transport, self.consumer.receiver.address)
+
+    # -- worker half ------------------------------------------------------------------
+    def _meta(self) -> PdserveConnectorMetadata:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, PdserveConnectorMetadata)
+        return meta
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        (self.producer or self.consumer).register_kv_caches(kv_caches)  # type: ignore[union-attr]
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        if self.consumer is not None:
+            self.consumer.start_load_kv(self._meta())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole requests, finished before they are scheduled
+
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
+        if self.producer is not None:
+            self.producer.save_kv_layer(self._meta(), layer_name, kv_layer)
+
+    def wait_for_save(self) -> None:
+        return  # shipping runs in the background; blocks stay held until it is acked
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self.producer is not None:
+            return KVConnectorTransferResults(
+                finished_sending=self.producer.get_finished(finished_req_ids)
+            )
+        if self.consumer is not None:
+            recved, failed = self.consumer.get_transfer_results()
+            return KVConnectorTransferResults(finished_recving=recved, failed_recving=failed)
+        return KVConnectorTransferResults()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        r = self.get_transfer_results(finished_req_ids)
+        return r.finished_sending or None, r.finished_recving or None
+
+    def build_connector_worker_meta(self) -> Any:
+        return self.consumer.worker_meta() if self.consumer is not None else None
+
+    def shutdown(self) -> None:
+        for half in (self.producer, self.consumer):
+            if half is not None:
+                half.close()
+
+    # -- scheduler half ---------------------------------------------------------------
+    def _sched(self) -> SchedulerSide:
+        assert self.scheduler is not None
+        return self.scheduler
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> PdserveConnectorMetadata:
+        return self._sched().build_connector_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._sched().update_connector_output(connector_output)
+
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        return self._sched().request_finished(request, block_ids)

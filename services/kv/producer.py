@@ -1,0 +1,140 @@
+"""The connector's worker half on a prefill engine: ship each layer's blocks as the layer
+is computed, and tell vLLM when a request's blocks may be freed."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from services.kv.fingerprint import PeerIdentity
+from services.kv.params import FAULT_CORRUPT_CHUNK, PdserveConnectorMetadata, SaveJob
+from services.kv.transport import KVSender, TransferSpec, TransportConfig, make_sender
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class _Sending:
+    job: SaveJob
+    started: float  # time.monotonic()
+    layers_sent: int = 0
+
+
+class Producer:
+    def __init__(
+        self, identity: PeerIdentity, config: TransportConfig, lease_s: float, allow_faults: bool
+    ) -> None:
+        self.identity = identity
+        self.config = config
+        self.lease_s = lease_s
+        self.allow_faults = allow_faults
+        self._senders: dict[str, KVSender] = {}  # one per transport kind, made on first use
+        self._layer_index: dict[str, int] = {}
+        self._block_ids: dict[str, torch.Tensor] = {}  # transfer id -> index tensor
+        self._sending: dict[str, _Sending] = {}  # transfer id -> state
+        self._owned: set[str] = set()  # req ids with a transfer not yet reported to vLLM
+        self._done: set[str] = set()  # req ids whose transfer is over (acked, failed, expired)
+        self._finished: set[str] = set()  # req ids vLLM has finished (from finished_req_ids)
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+
+    def _sender(self, kind: str) -> KVSender:
+        if kind not in self._senders:
+            self._senders[kind] = make_sender(kind, self.identity, self.config)
+        return self._senders[kind]
+
+    # -- inside the forward pass --------------------------------------------------------
+    def save_kv_layer(
+        self, meta: PdserveConnectorMetadata, layer_name: str, kv_layer: torch.Tensor
+    ) -> None:
+        idx = self._layer_index.get(layer_name)
+        if idx is None or not meta.saves:
+            return
+        for job in meta.saves:
+            try:
+                self._save_layer(job, idx, kv_layer)
+            except Exception:  # never take the engine down
+                log.exception("KV transfer %s: layer %d not shipped", job.transfer_id, idx)
+                self._give_up(job)
+
+    def _give_up(self, job: SaveJob) -> None:
+        """Abandon a transfer; its blocks are freed once vLLM has finished the request."""
+        if self._sending.pop(job.transfer_id, None) is not None:
+            self._sender(job.kv_transport).cancel(job.transfer_id)
+        self._block_ids.pop(job.transfer_id, None)
+        self._owned.add(job.req_id)
+        self._done.add(job.req_id)
+
+    def _save_layer(self, job: SaveJob, idx: int, kv_layer: torch.Tensor) -> None:
+        if job.req_id in self._done:
+            return  # given up on earlier in this step
+        sending = self._sending.get(job.transfer_id)
+        if sending is None:
+            sending = self._begin(job, kv_layer)
+        ids = self._block_ids[job.transfer_id]
+        # A private copy of this layer's blocks (cheap: ~1% of the layer's compute);
+        # the sender's threads ship it while later layers compute.
+        blocks = kv_layer.index_select(0, ids)
+        self._sender(job.kv_transport).send_layer(job.transfer_id, idx, blocks)
+        sending.layers_sent += 1
+        if sending.layers_sent == len(self._layer_index):
+            self._sender(job.kv_transport).end(job.transfer_id)
+
+    def _begin(self, job: SaveJob, kv_layer: torch.Tensor) -> _Sending:
+        ids = torch.tensor(job.block_ids, dtype=torch.long, device=kv_layer.device)
+        self._block_ids[job.transfer_id] = ids
+        spec = TransferSpec(
+            transfer_id=job.transfer_id,
+            num_layers=len(self._layer_index),
+            layer_shape=(len(job.block_ids), *kv_layer.shape[1:]),
+            dtype=kv_layer.dtype,
+            num_tokens=job.num_tokens,
+            receiver_epoch=job.decode_epoch,
+            receiver_fingerprint=job.decode_fingerprint,
+        )
+        sending = _Sending(job, time.monotonic())
+        self._sending[job.transfer_id] = sending
+        self._owned.add(job.req_id)
+        sender = self._sender(job.kv_transport)
+        sender.begin(job.kv_address, spec)
+        if job.fault == FAULT_CORRUPT_CHUNK and self.allow_faults:
+            sender.corrupt_after_checksum(job.transfer_id)
+        return sending
+
+    # -- after each step ---------------------------------------------------------------
+    def get_finished(self, finished_req_ids: set[str]) -> set[str]:
+        self._finished |= finished_req_ids & self._owned
+        for sender in self._senders.values():
+            for outcome in sender.poll_finished():
+                sending = self._sending.pop(outcome.transfer_id, None)
+                self._block_ids.pop(outcome.transfer_id, None)
+                if sending is None:
+                    continue
+                if not outcome.ok:
+                    log.warning("KV transfer %s failed: %s", outcome.transfer_id, outcome.error)
+                self._done.add(sending.job.req_id)
+        now = time.monotonic()
+        for tid, sending in list(self._sending.items()):
+            if now - sending.started > self.lease_s:
+                log.warning(
+                    "KV transfer %s: lease of %.0f s ran out; freeing its blocks", tid, self.lease_s
+                )
+                self._sender(sending.job.kv_transport).cancel(tid)
+                del self._sending[tid]
+                self._block_ids.pop(tid, None)
+                self._done.add(sending.job.req_id)
+        # Report only ids vLLM has already finished: reporting one earlier kills the
+        # engine (it asserts the request is finished before freeing its blocks).
+        ready = self._done & self._finished
+        self._done -= ready
+        self._finished -= ready
+        self._owned -= ready
+        return ready
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()

@@ -1,0 +1,171 @@
+"""The connector's scheduler half (runs in vLLM's engine-core process).
+
+Producer (prefill engine): remembers requests that carry send params; in the step that
+completes a prompt it emits a SaveJob with the prompt's blocks, so the worker half ships
+each layer as it is computed; when the request finishes it keeps the blocks
+(delay_free) until the worker half reports the transfer acknowledged or its lease over.
+
+Consumer (decode engine): claims the prompt's tokens as an asynchronous remote load, so
+vLLM parks the request in WAITING_FOR_REMOTE_KVS; once blocks are allocated it emits a
+LoadJob naming the local blocks to fill; the worker half reports the request finished
+receiving (or failed: vLLM then recomputes or fails it, by kv_load_failure_policy).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from services.kv.params import (
+    LOAD_KEY,
+    LoadJob,
+    LoadReport,
+    LoadReports,
+    PdserveConnectorMetadata,
+    SaveJob,
+    ours,
+)
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger(__name__)
+
+
+def ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class SchedulerSide:
+    def __init__(self, block_size: int, is_producer: bool) -> None:
+        self.block_size = block_size
+        self.is_producer = is_producer
+        # producer
+        self._to_save: dict[str, Request] = {}  # waiting for the step that completes the prompt
+        self._saving: set[str] = set()  # a SaveJob was emitted: blocks must be held
+        # consumer
+        self._offsets: dict[str, int] = {}  # locally computed prefix at claim time
+        self._new_loads: list[LoadJob] = []
+        self._loading: set[str] = set()  # LoadJob emitted, not yet finished receiving
+        self._cancelled: list[str] = []
+        self._reports: dict[str, LoadReport] = {}
+
+    # -- matching and allocation ------------------------------------------------------
+    def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
+        params = ours(request.kv_transfer_params, "recv")
+        if self.is_producer or params is None or request.request_id in self._reports:
+            return 0, False  # (also: a second look after the load finished)
+        if request.request_id in self._loading:
+            return 0, False
+        remote = int(params.get("num_tokens", 0))
+        # Claim exactly what will arrive: never more than the prompt minus the token
+        # vLLM must compute itself to sample the next one.
+        remote = min(remote, request.num_prompt_tokens - 1)
+        if remote <= num_computed:
+            return 0, False
+        self._offsets[request.request_id] = num_computed
+        return remote - num_computed, True
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        rid = request.request_id
+        if self.is_producer:
+            if ours(request.kv_transfer_params, "send") is not None:
+                self._to_save[rid] = request
+            return
+        if num_external_tokens == 0 or rid not in self._offsets:
+            return  # the second call, after the load: nothing to do
+        params = ours(request.kv_transfer_params, "recv")
+        assert params is not None
+        offset = self._offsets.pop(rid)
+        first = offset // self.block_size
+        last = ceil_div(offset + num_external_tokens, self.block_size)
+        block_ids = list(blocks.get_block_ids()[0])
+        self._new_loads.append(
+            LoadJob(
+                req_id=rid,
+                transfer_id=str(params["transfer_id"]),
+                local_block_ids=block_ids[first:last],
+                remote_first_block=first,
+                fault=str(params.get("fault", "")),
+            )
+        )
+        self._loading.add(rid)
+
+    # -- every step -------------------------------------------------------------------
+    def build_connector_meta(self, so: SchedulerOutput) -> PdserveConnectorMetadata:
+        meta = PdserveConnectorMetadata()
+        if self.is_producer:
+            meta.saves = self._completing_prompts(so)
+        else:
+            meta.loads, self._new_loads = self._new_loads, []
+            meta.cancelled_loads, self._cancelled = self._cancelled, []
+        return meta
+
+    def _completing_prompts(self, so: SchedulerOutput) -> list[SaveJob]:
+        jobs = []
+        for rid, request in list(self._to_save.items()):
+            scheduled = so.num_scheduled_tokens.get(rid, 0)
+            # num_computed_tokens is advanced only after this call: this step finishes
+            # the prompt when what was computed plus what is scheduled covers it.
+            if not scheduled or request.num_computed_tokens + scheduled < request.num_prompt_tokens:
+                continue
+            state = so.kv_connector_block_state
+            table = state.get_block_ids(rid) if state is not None else None
+            del self._to_save[rid]
+            if not table:
+                log.error("no block table for %s; its KV cannot be shipped", rid)
+                continue
+            params = ours(request.kv_transfer_params, "send")
+            assert params is not None
+            n = request.num_prompt_tokens
+            # The last, partial block travels whole: the decode side writes token 1 at
+            # offset n % block_size, and attention never reads past the sequence.
+            jobs.append(
+                SaveJob(
+                    req_id=rid,
+                    transfer_id=str(params["transfer_id"]),
+                    kv_address=str(params["kv_address"]),
+                    kv_transport=str(params.get("kv_transport", "grpc")),
+                    decode_epoch=int(params["decode_epoch"]),
+                    decode_fingerprint=str(params["decode_fingerprint"]),
+                    block_ids=list(table[0][: ceil_div(n, self.block_size)]),
+                    num_tokens=n,
+                    fault=str(params.get("fault", "")),
+                )
+            )
+            self._saving.add(rid)
+        return jobs
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, LoadReports):
+            for report in meta.reports:
+                if report.req_id in self._loading:  # else: aborted, nobody will ask
+                    self._reports[report.req_id] = report
+                    self._loading.discard(report.req_id)
+        for rid in output.finished_sending or ():
+            self._saving.discard(rid)
+
+    # -- the end of a request ---------------------------------------------------------
+    def request_finished(
+        self, request: Request, block_ids: list[int]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        rid = request.request_id
+        if self.is_producer:
+            self._to_save.pop(rid, None)
+            # Hold the blocks while their transfer is in flight; the worker half
+            # reports this id once the receiver acknowledged or the lease ran out.
+            return rid in self._saving, None
+        self._offsets.pop(rid, None)
+        if rid in self._loading:
+            # Aborted while waiting for its KV: vLLM keeps the blocks until the worker
+            # half reports the id as received; tell it to stop waiting now.
+            self._cancelled.append(rid)
+            self._loading.discard(rid)
+        report = self._reports.pop(rid, None)
+        return False, ({LOAD_KEY: report.as_params()} if report else None)

@@ -1,0 +1,150 @@
+"""What prefill and decode workers share: their settings, identity (id and restart
+epoch), the KV connector configuration of their engine, and how they are served."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pdserve.v1 import worker_pb2 as wpb
+from services.api.server import ServerConfig, Service, serve
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.kv.fingerprint import LayoutFingerprint
+from services.kv.layout import fingerprint_of
+
+log = logging.getLogger(__name__)
+
+Role = Literal["prefill", "decode"]
+
+
+class WorkerConfig(BaseSettings):
+    """Prefill/decode worker settings. Env prefix PDSERVE_."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
+
+    worker_id: str = Field("", description="worker name; empty = <role>-<host>-<random>")
+    kv_transport: Literal["grpc", "torch"] = Field(
+        "grpc", description="decode: how KV arrives (grpc: any host; torch: torch.distributed "
+        "pair groups, gloo on CPU, NCCL on GPU)"
+    )
+    kv_host: str = Field("0.0.0.0", description="decode: address the KV receiver binds to")
+    kv_advertise_host: str = Field(
+        "", description="decode: host prefill workers use to reach the KV receiver; "
+        "empty = 127.0.0.1 when binding loopback/any, else kv_host"
+    )
+    kv_port: int = Field(0, ge=0, le=65535, description="decode: KV receiver port (0 = free)")
+    kv_lease_s: float = Field(
+        30.0, gt=0, description="prefill: longest hold of a prompt's KV blocks before the "
+        "decode side acknowledged them; decode: how long unclaimed transfers are kept"
+    )
+    kv_load_timeout_s: float = Field(
+        30.0, gt=0, description="decode: longest wait for a complete KV transfer"
+    )
+    kv_load_failure_policy: Literal["recompute", "fail"] = Field(
+        "recompute", description="decode: on a corrupt, late or missing transfer, recompute "
+        "the prompt locally, or fail the request"
+    )
+    allow_fault_injection: bool = Field(
+        False, description="accept the `fault` field of internal requests (tests and "
+        "failure drills only)"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    worker_id: str
+    role: Role
+    # A new epoch on every start: transfer handles minted before a restart name the old
+    # epoch and are refused instead of being matched against state that is gone.
+    epoch: int
+
+    @classmethod
+    def new(cls, role: Role, worker_id: str = "") -> WorkerIdentity:
+        name = worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        return cls(name, role, time.time_ns())
+
+
+def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig, kv_port: int) -> Any:
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, Any] = {
+        "worker_id": identity.worker_id, "epoch": identity.epoch,
+        "kv_host": config.kv_host, "kv_port": kv_port, "kv_transport": config.kv_transport,
+        "lease_s": config.kv_lease_s, "load_timeout_s": config.kv_load_timeout_s,
+        "allow_faults": config.allow_fault_injection,
+    }
+    return KVTransferConfig(
+        kv_connector="PdserveConnector",
+        kv_connector_module_path="services.kv.connector",
+        kv_role="kv_producer" if identity.role == "prefill" else "kv_consumer",
+        kv_load_failure_policy=config.kv_load_failure_policy,
+        kv_connector_extra_config=extra,
+    )
+
+
+@dataclass
+class Worker:
+    """A started engine with its identity and KV layout."""
+
+    identity: WorkerIdentity
+    config: WorkerConfig
+    engine: Engine
+    fingerprint: LayoutFingerprint
+    kv_address: str
+
+    @classmethod
+    def start(cls, role: Role, engine_cfg: EngineConfig, config: WorkerConfig) -> Worker:
+        identity = WorkerIdentity.new(role, config.worker_id)
+        kv_port = config.kv_port or (free_port() if role == "decode" else 0)
+        engine = Engine(engine_cfg, kv_transfer_config(identity, config, kv_port))
+        engine.start()
+        host = config.kv_advertise_host or (
+            "127.0.0.1" if config.kv_host in ("0.0.0.0", "::", "127.0.0.1") else config.kv_host
+        )
+        address = f"{host}:{kv_port}" if role == "decode" else ""
+        return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address)
+
+    def info(self) -> wpb.WorkerInfo:
+        facts = self.engine.facts
+        role = wpb.WORKER_ROLE_PREFILL if self.identity.role == "prefill" else (
+            wpb.WORKER_ROLE_DECODE)
+        return wpb.WorkerInfo(
+            worker_id=self.identity.worker_id, role=role, epoch=self.identity.epoch,
+            fingerprint_digest=self.fingerprint.digest(),
+            fingerprint_json=json.dumps(self.fingerprint.to_dict()),
+            kv_address=self.kv_address, kv_transport=self.config.kv_transport,
+            model=facts.name, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
+            kv_load_failure_policy=self.config.kv_load_failure_policy,
+        )
+
+
+async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                     config: WorkerConfig) -> None:
+    from services.decode.servicer import decode_service
+    from services.prefill.servicer import prefill_service
+
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    worker = Worker.start(role, engine_cfg, config)
+    service: Service = prefill_service(worker) if role == "prefill" else decode_service(worker)
+    banner = (f"pdserve {role} worker {worker.identity.worker_id} (epoch "
+              f"{worker.identity.epoch}, layout {worker.fingerprint.digest()})")
+    try:
+        await serve(server_cfg, [service], banner)
+    finally:
+        worker.engine.shutdown()
