@@ -1,0 +1,311 @@
+"""``pdserve bench``: run, sweep and compare load tests.
+
+Wired into the main CLI with ``add_parser(subparsers)``; also runnable on its own as
+``python -m services.bench.cli bench run ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from services.bench.arrivals import PROCESSES, ArrivalConfig
+from services.bench.compare import compare_table, load_summary, write_compare_report
+from services.bench.metrics import SLOs
+from services.bench.report import text_summary, write_report
+from services.bench.runner import Runner, rate_label
+from services.bench.targets import PROMPT_MODES, GrpcTarget, OpenAITarget, Target
+from services.bench.workload import (
+    DATASETS,
+    DISTRIBUTIONS,
+    LengthDist,
+    WorkloadConfig,
+    build_workload,
+    load_tokenizer,
+)
+
+DEFAULT_REQUESTS = 200
+SLO_NAMES = ("ttft", "tpot", "itl", "e2e")
+
+
+class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Appends "(default: X)" unless the help text already says what the default is."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.help and "default" in action.help:
+            return action.help
+        return super()._get_help_string(action)
+
+
+_FMT = _Formatter
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"rate must be > 0 (or inf), got {text}")
+    return value
+
+
+def _add_target_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("target")
+    g.add_argument("--target", choices=("pdserve", "openai"), default="pdserve",
+                   help="pdserve gRPC Generate, or an OpenAI-compatible /v1/completions server")
+    g.add_argument("--address", default="127.0.0.1:50051", help="pdserve gRPC host:port")
+    g.add_argument("--base-url", default="http://127.0.0.1:8000",
+                   help="OpenAI-compatible server URL (e.g. `vllm serve`)")
+    g.add_argument("--model", default="",
+                   help="model name to send (default: pdserve's served model, or the first "
+                   "model the OpenAI server lists)")
+    g.add_argument("--allow-host", action="append", default=[], metavar="HOST",
+                   help="a non-loopback host that may receive load (repeatable; default: "
+                   "none: loopback only)")
+    g.add_argument("--prompt-as", choices=PROMPT_MODES, default="token-ids",
+                   help="send prompts as token ids (exact lengths) or as text")
+    g.add_argument("--request-timeout", type=float, default=600.0,
+                   help="per-request deadline in seconds")
+    g.add_argument("--grpc-channels", type=int, default=1,
+                   help="gRPC connections to spread requests over")
+    g.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
+                   help="extra fields merged into each OpenAI request body (default: none)")
+
+
+def _add_workload_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("workload")
+    g.add_argument("--dataset", choices=DATASETS, default="random", help="request source")
+    g.add_argument("--dataset-path", default=None,
+                   help="ShareGPT JSON file, or prompts file (.txt one per line, .jsonl "
+                   "with a 'prompt' field) (default: none)")
+    g.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                   help="local model folder whose tokenizer counts lengths; needed for "
+                   "sharegpt, prompts and --prompt-as text (default: none)")
+    g.add_argument("--vocab-size", type=int, default=None,
+                   help="token id range for random prompts (default: the tokenizer's)")
+    g.add_argument("--num-requests", type=int, default=None,
+                   help=f"requests per run (default: {DEFAULT_REQUESTS}; with --duration: "
+                   "enough for the duration)")
+    g.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
+    g.add_argument("--output-len", type=int, default=None,
+                   help="mean output tokens (default: 128; sharegpt: the reply's length)")
+    g.add_argument("--len-dist", choices=DISTRIBUTIONS, default="uniform",
+                   help="length distribution (spread 0 gives fixed lengths)")
+    g.add_argument("--input-spread", type=float, default=0.0,
+                   help="input length spread (uniform: +-share of the mean; normal: std / "
+                   "mean; lognormal: sigma)")
+    g.add_argument("--output-spread", type=float, default=0.0, help="output length spread")
+    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: prefixes")
+    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
+    g.add_argument("--long-share", type=float, default=0.1,
+                   help="mixed: share of long prompts among chat-length requests")
+    g.add_argument("--long-input-len", type=int, default=1800, help="mixed: long prompt tokens")
+    g.add_argument("--long-output-len", type=int, default=16, help="mixed: long output tokens")
+    g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
+
+
+def _add_arrival_args(p: argparse.ArgumentParser, sweep: bool) -> None:
+    g = p.add_argument_group("arrivals")
+    if sweep:
+        g.add_argument("--rates", type=_rate, nargs="+", required=True,
+                       help="request rates to sweep (requests/s; inf sends all at once; "
+                       "required, no default)")
+        g.add_argument("--sweep-pause", type=float, default=0.0,
+                       help="seconds to wait between rates")
+    else:
+        g.add_argument("--rate", type=_rate, default=math.inf,
+                       help="request rate (requests/s); inf sends all at once")
+    g.add_argument("--arrival", choices=PROCESSES, default="poisson",
+                   help="arrival process")
+    g.add_argument("--burstiness", type=float, default=1.0,
+                   help="gamma shape for --arrival gamma (<1 burstier, >1 steadier)")
+    g.add_argument("--ramp-from", type=float, default=None,
+                   help="start rate of a linear ramp to the rate (default: no ramp)")
+    g.add_argument("--ramp-s", type=float, default=0.0, help="ramp length in seconds")
+    g.add_argument("--max-concurrency", type=int, default=None,
+                   help="at most this many requests in flight (default: no cap)")
+    g.add_argument("--duration", type=float, default=None,
+                   help="stop sending after this many seconds (default: no limit)")
+    g.add_argument("--drain-timeout", type=float, default=30.0,
+                   help="with --duration: seconds to wait for in-flight requests, then "
+                   "cancel them")
+    g.add_argument("--warmup-requests", type=int, default=0,
+                   help="first N requests are sent but left out of the metrics")
+    g.add_argument("--warmup-s", type=float, default=0.0,
+                   help="requests sent in the first S seconds are left out of the metrics")
+
+
+def _add_output_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("output")
+    g.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
+                   help="goodput SLO, all must hold (repeatable; names: ttft, tpot, itl "
+                   "= largest chunk gap, e2e), e.g. --slo ttft=2 --slo tpot=0.28 (default: none: "
+                   "every completed request counts)")
+    g.add_argument("--output-dir", default=None,
+                   help="where files go (default: bench-results/<time>-<label>)")
+    g.add_argument("--label", default="",
+                   help="name of this run in files and plots (default: the rate)")
+    g.add_argument("--no-plots", action="store_true", help="skip PNG plots")
+    g.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``bench`` with ``run``, ``sweep`` and ``compare`` to the main CLI."""
+    bench = subparsers.add_parser("bench", help="load-test pdserve or an OpenAI server",
+                                  description="Load-test pdserve or an OpenAI-compatible "
+                                  "server, and compare results.", formatter_class=_FMT)
+    bench.set_defaults(func=lambda _: (bench.print_help(), 2)[1])
+    sub = bench.add_subparsers(dest="bench_command", metavar="{run,sweep,compare}")
+    run = sub.add_parser("run", help="one run at one rate", formatter_class=_FMT,
+                         description="One benchmark run at one request rate.")
+    sweep = sub.add_parser("sweep", help="one run per request rate", formatter_class=_FMT,
+                           description="Runs at several request rates, one after another.")
+    for p, is_sweep in ((run, False), (sweep, True)):
+        _add_target_args(p)
+        _add_workload_args(p)
+        _add_arrival_args(p, is_sweep)
+        _add_output_args(p)
+    run.set_defaults(func=cmd_run)
+    sweep.set_defaults(func=cmd_sweep)
+    cmp = sub.add_parser("compare", help="compare two summary.json files", formatter_class=_FMT,
+                         description="Prints two benchmark summaries side by side.")
+    cmp.add_argument("a", type=Path, help="baseline summary.json")
+    cmp.add_argument("b", type=Path, help="summary.json to compare with the baseline")
+    cmp.add_argument("--output-dir", type=Path, default=None,
+                     help="also write side-by-side plots and compare.html here "
+                     "(default: table only)")
+    cmp.set_defaults(func=cmd_compare)
+
+
+def parse_slos(items: list[str]) -> SLOs:
+    bounds: dict[str, float] = {}
+    for item in (part for text in items for part in text.split(",") if part):
+        name, sep, value = item.partition("=")
+        if not sep or name.strip() not in SLO_NAMES:
+            raise ValueError(f"bad SLO {item!r}: use NAME=SECONDS with NAME in {SLO_NAMES}")
+        bounds[f"{name.strip()}_s"] = float(value)
+    return SLOs(**bounds)
+
+
+def workload_config(args: argparse.Namespace, num_requests: int) -> WorkloadConfig:
+    def dist(mean: int, spread: float) -> LengthDist:
+        return LengthDist(mean, args.len_dist, spread)
+
+    return WorkloadConfig(
+        dataset=args.dataset, num_requests=num_requests, seed=args.seed,
+        input_len=dist(args.input_len, args.input_spread),
+        output_len=dist(args.output_len or 128, args.output_spread), path=args.dataset_path,
+        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
+        long_share=args.long_share, long_input_len=LengthDist(args.long_input_len),
+        long_output_len=LengthDist(args.long_output_len),
+        sharegpt_output_from_file=args.output_len is None, vocab_size=args.vocab_size,
+        with_text=args.prompt_as == "text")
+
+
+def arrival_config(args: argparse.Namespace, rate: float) -> ArrivalConfig:
+    if args.burstiness != 1.0 and args.arrival != "gamma":
+        raise ValueError("--burstiness needs --arrival gamma")
+    return ArrivalConfig(
+        rate=rate, process=args.arrival, burstiness=args.burstiness, ramp_from=args.ramp_from,
+        ramp_s=args.ramp_s, max_concurrency=args.max_concurrency, duration_s=args.duration,
+        warmup_requests=args.warmup_requests, warmup_s=args.warmup_s, seed=args.seed)
+
+
+def request_count(args: argparse.Namespace, rates: list[float]) -> int:
+    """--num-requests, or with only --duration a count the duration cannot run out of."""
+    if args.num_requests is not None:
+        return int(args.num_requests)
+    if args.duration is None:
+        return DEFAULT_REQUESTS
+    top = max([*rates, args.ramp_from or 0.0])
+    if math.isinf(top):
+        if args.max_concurrency is None:
+            raise ValueError("--duration at an infinite rate needs --max-concurrency or "
+                             "--num-requests")
+        return 1_000_000  # a closed loop until the duration ends; specs are reused
+    return math.ceil(top * args.duration * 1.5) + 16
+
+
+def build_target(args: argparse.Namespace) -> Target:
+    if args.target == "pdserve":
+        return GrpcTarget(args.address, model=args.model, allowed_hosts=args.allow_host,
+                          timeout_s=args.request_timeout, prompt_mode=args.prompt_as,
+                          num_channels=args.grpc_channels)
+    return OpenAITarget(args.base_url, model=args.model, allowed_hosts=args.allow_host,
+                        timeout_s=args.request_timeout, prompt_mode=args.prompt_as,
+                        extra_body=args.extra_body)
+
+
+async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
+    slos = parse_slos(args.slo)
+    n = request_count(args, rates)
+    arrivals = [arrival_config(args, rate) for rate in rates]  # validate before any work
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    wcfg = workload_config(args, min(n, 10_000))  # longer runs reuse the specs in a cycle
+    specs = build_workload(wcfg, tokenizer)
+    target = build_target(args)
+    runner = Runner(target, progress=not args.no_progress, drain_timeout_s=args.drain_timeout)
+    await target.start()
+    try:
+        single = len(rates) == 1 and args.bench_command == "run"
+        label = args.label or rate_label(rates[0])
+        results = ([await runner.run(specs, arrivals[0], label, n)] if single else
+                   await runner.sweep(specs, arrivals[0], rates, n, args.sweep_pause))
+    finally:
+        await target.close()
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    out_dir = Path(args.output_dir or f"bench-results/{stamp}-{args.label or target.name}")
+    meta: dict[str, Any] = {
+        "label": args.label, "target": target.name, "started": stamp,
+        "endpoint": args.address if args.target == "pdserve" else args.base_url,
+        "model": args.model, "prompt_as": args.prompt_as, "num_requests": n,
+        "workload": asdict(wcfg), "command": " ".join(sys.argv[1:]),
+    }
+    document = write_report(out_dir, results, slos, meta, with_plots=not args.no_plots)
+    for summary in document["runs"]:
+        print(text_summary(summary))
+    print(f"results: {out_dir}")
+    return 0 if all(s["completed"] > 0 for s in document["runs"]) else 1
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    return _guard(lambda: asyncio.run(_execute(args, [args.rate])))
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    return _guard(lambda: asyncio.run(_execute(args, list(args.rates))))
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    def go() -> int:
+        print(compare_table(load_summary(args.a), load_summary(args.b)))
+        if args.output_dir is not None:
+            print(f"report: {write_compare_report(args.a, args.b, args.output_dir)}")
+        return 0
+    return _guard(go)
+
+
+def _guard(body: Callable[[], int]) -> int:
+    """Bad input and unreachable files end with a message and exit code 2, not a trace."""
+    try:
+        return int(body())
+    except (ValueError, OSError) as exc:
+        print(f"pdserve bench: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

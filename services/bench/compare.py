@@ -1,0 +1,121 @@
+"""``pdserve bench compare A.json B.json``: two benchmark summaries side by side.
+
+Runs are paired by label (a sweep's ``rate-2`` with the other sweep's ``rate-2``), or by
+position when the labels differ (one run each: A's run against B's run). The table is
+Markdown, which reads as well in a terminal as in an issue or a PR.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from services.bench import plots
+from services.bench.metrics import ANATOMY_SEGMENTS
+from services.bench.records import RequestRecord
+from services.bench.report import read_records_jsonl, render_html
+
+# (key path, label, higher is better)
+ROWS: list[tuple[tuple[str, ...], str, bool]] = [
+    (("request_throughput",), "requests/s", True),
+    (("output_token_throughput",), "output tokens/s", True),
+    (("goodput",), "goodput (req/s, all SLOs)", True),
+    (("failed",), "failed requests", False),
+    *(((m, s), f"{name} {s} (s)", False)
+      for m, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"), ("e2e_s", "E2E"))
+      for s in ("p50", "p90", "p99", "mean")),
+]
+
+
+def load_summary(path: Path) -> dict[str, Any]:
+    document: dict[str, Any] = json.loads(path.read_text())
+    if "runs" not in document:
+        raise ValueError(f"{path} is not a pdserve bench summary.json")
+    return document
+
+
+def pair_runs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[dict[str, Any],
+                                                                   dict[str, Any]]]:
+    by_label = {run["label"]: run for run in b["runs"]}
+    pairs = [(run, by_label[run["label"]]) for run in a["runs"] if run["label"] in by_label]
+    return pairs or list(zip(a["runs"], b["runs"], strict=False))
+
+
+def _get(run: dict[str, Any], path: tuple[str, ...]) -> float | None:
+    value: Any = run
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return None if value is None else float(value)
+
+
+def _cell(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def _ratio(a: float | None, b: float | None, higher_better: bool) -> str:
+    if a is None or b is None or a == 0:
+        return "-"
+    ratio = b / a
+    better = (ratio > 1) == higher_better and ratio != 1
+    return f"x{ratio:.3f}" + (" (B better)" if better else "")
+
+
+def compare_table(a: dict[str, Any], b: dict[str, Any], a_name: str = "A",
+                  b_name: str = "B") -> str:
+    """Markdown tables, one per paired run."""
+    blocks = []
+    for run_a, run_b in pair_runs(a, b):
+        lines = [f"### {run_a['label']} vs {run_b['label']}", "",
+                 f"| metric | {a_name} | {b_name} | B/A |", "| --- | ---: | ---: | ---: |"]
+        for path, label, higher_better in ROWS:
+            va, vb = _get(run_a, path), _get(run_b, path)
+            lines.append(f"| {label} | {_cell(va)} | {_cell(vb)} | "
+                         f"{_ratio(va, vb, higher_better)} |")
+        if run_a.get("anatomy") and run_b.get("anatomy"):
+            for seg in ANATOMY_SEGMENTS:
+                va, vb = _get(run_a, ("anatomy", seg, "mean")), _get(run_b, ("anatomy", seg,
+                                                                              "mean"))
+                lines.append(f"| anatomy {seg} mean (s) | {_cell(va)} | {_cell(vb)} | "
+                             f"{_ratio(va, vb, False)} |")
+        blocks.append("\n".join(lines))
+    return "\n\n".join(blocks) if blocks else "(no runs to compare)"
+
+
+def compare_plots(a_path: Path, b_path: Path, a: dict[str, Any], b: dict[str, Any],
+                  out_dir: Path) -> list[Path]:
+    """Side-by-side bars per paired run, anatomy bars, and CDF overlays when each summary
+    has its requests.jsonl beside it."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    drawn: list[Path] = []
+    for k, (run_a, run_b) in enumerate(pair_runs(a, b)):
+        name = f"{k}-{run_a['label']}"
+        drawn.append(plots.side_by_side((f"A {run_a['label']}", run_a),
+                                        (f"B {run_b['label']}", run_b),
+                                        out_dir / f"side_by_side_{name}.png"))
+        anatomy = plots.anatomy_bars([(f"A {run_a['label']}", run_a),
+                                      (f"B {run_b['label']}", run_b)],
+                                     out_dir / f"anatomy_{name}.png")
+        if anatomy is not None:
+            drawn.append(anatomy)
+    jsonl_a, jsonl_b = a_path.parent / "requests.jsonl", b_path.parent / "requests.jsonl"
+    if jsonl_a.exists() and jsonl_b.exists():
+        grouped: dict[str, list[RequestRecord]] = {}
+        for prefix, path in (("A", jsonl_a), ("B", jsonl_b)):
+            for rec in read_records_jsonl(path):
+                grouped.setdefault(f"{prefix} {rec.run}", []).append(rec)
+        drawn.append(plots.latency_cdfs(list(grouped.items()), out_dir / "latency_cdfs.png"))
+    return drawn
+
+
+def write_compare_report(a_path: Path, b_path: Path, out_dir: Path) -> Path:
+    """Plots and one HTML page comparing two summaries; returns the page's path."""
+    a, b = load_summary(a_path), load_summary(b_path)
+    images = compare_plots(a_path, b_path, a, b, out_dir / "plots")
+    runs = [{**run, "label": f"{prefix} {run['label']}"}
+            for prefix, doc in (("A", a), ("B", b)) for run in doc["runs"]]
+    meta = {"A": str(a_path), "B": str(b_path), "A meta": a.get("meta", {}),
+            "B meta": b.get("meta", {})}
+    page = out_dir / "compare.html"
+    page.write_text(render_html(meta, runs, images, title="pdserve bench compare"))
+    return page

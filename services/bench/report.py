@@ -1,0 +1,194 @@
+"""Benchmark output files: JSON summary, per-request JSONL and CSV, plots, one HTML page.
+
+Layout of an output folder::
+
+    summary.json    {"meta": {...}, "runs": [one summary per run / rate]}
+    summary.csv     one row per run: throughput, goodput, latency percentiles
+    requests.jsonl  one RequestRecord per line (all runs; warm-up flagged, not dropped)
+    requests.csv    the same records, flat, with derived TTFT / TPOT / largest ITL
+    plots/*.png     latency CDFs, latency and goodput vs rate, anatomy bars
+    report.html     everything above in one self-contained page (PNGs inlined)
+"""
+
+from __future__ import annotations
+
+import base64
+import csv
+import dataclasses
+import html
+import json
+import math
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+from services.bench import plots
+from services.bench.metrics import ANATOMY_SEGMENTS, SLOs, itls, summarize, tpot
+from services.bench.records import RequestRecord, ServerTimings
+from services.bench.runner import RunResult
+
+SUMMARY_COLUMNS = [
+    "label", "rate", "requests", "completed", "failed", "duration_s", "request_throughput",
+    "output_token_throughput", "total_token_throughput", "goodput", "goodput_share",
+]
+STAT_COLUMNS = [(m, s) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+                for s in ("mean", "p50", "p90", "p99")]
+
+
+def _json_safe(value: Any) -> Any:
+    """inf/nan are not JSON: rates of inf are written as null."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _json_safe(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_json_safe(v) for v in value]
+    return value
+
+
+def run_summary(result: RunResult, slos: SLOs) -> dict[str, Any]:
+    return {
+        "label": result.label,
+        "rate": result.arrivals.rate,
+        "arrivals": dataclasses.asdict(result.arrivals),
+        "started_at": result.started_at,
+        "wall_s": result.wall_s,
+        **summarize(result.records, slos),
+    }
+
+
+def write_records_jsonl(path: Path, records: Iterable[RequestRecord]) -> None:
+    with path.open("w") as f:
+        for rec in records:
+            f.write(json.dumps(rec.to_dict(), separators=(",", ":")) + "\n")
+
+
+def read_records_jsonl(path: Path) -> list[RequestRecord]:
+    with path.open() as f:
+        return [RequestRecord.from_dict(json.loads(line)) for line in f if line.strip()]
+
+
+def write_requests_csv(path: Path, records: Iterable[RequestRecord]) -> None:
+    plain = ["run", "index", "request_id", "kind", "warmup", "ok", "error_code",
+             "prompt_tokens", "max_tokens", "output_tokens", "cached_tokens", "finish_reason",
+             "scheduled_s", "send_time", "e2e_s", "generator"]
+    server = [f"server_{name}" for name in ServerTimings.field_names()]
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*plain, "ttft_s", "tpot_s", "itl_max_s", "chunks", *server])
+        for rec in records:
+            timings = dataclasses.asdict(rec.server) if rec.server else {}
+            writer.writerow([
+                *(getattr(rec, name) for name in plain),
+                rec.ttft_s, tpot(rec), max(itls(rec), default=None), len(rec.chunk_offsets),
+                *(timings.get(name) for name in ServerTimings.field_names()),
+            ])
+
+
+def write_summary_csv(path: Path, summaries: Sequence[dict[str, Any]]) -> None:
+    with path.open("w", newline="") as f:
+        writer = csv.writer(f)
+        writer.writerow([*SUMMARY_COLUMNS, *(f"{m}_{s}" for m, s in STAT_COLUMNS), "errors"])
+        for s in summaries:
+            writer.writerow([*(s[c] for c in SUMMARY_COLUMNS),
+                             *(s[m][st] for m, st in STAT_COLUMNS), json.dumps(s["errors"])])
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return html.escape(str(value if value is not None else "-"))
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[Any]]) -> str:
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{_fmt(v)}</td>" for v in row) + "</tr>"
+                   for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _anatomy_table(summaries: Sequence[dict[str, Any]]) -> str:
+    runs = [s for s in summaries if s.get("anatomy")]
+    if not runs:
+        return "<p>No server timings in these runs (anatomy needs pdserve's final message).</p>"
+    segments = list(ANATOMY_SEGMENTS)
+    rows = [[s["label"], *(s["anatomy"][seg]["mean"] for seg in segments)] for s in runs]
+    return "<p>Mean seconds per request.</p>" + _table(["run", *segments], rows)
+
+
+def render_html(meta: dict[str, Any], summaries: Sequence[dict[str, Any]],
+                images: Sequence[Path], title: str = "pdserve bench") -> str:
+    """One self-contained page: summary tables and the PNGs inlined as base64."""
+    meta_rows = [(k, json.dumps(v) if isinstance(v, dict | list) else v)
+                 for k, v in meta.items()]
+    stat_header = [f"{m.removesuffix('_s')} {s}" for m, s in STAT_COLUMNS]
+    runs = _table([*SUMMARY_COLUMNS, "errors"],
+                  [[*(s[c] for c in SUMMARY_COLUMNS), json.dumps(s["errors"])]
+                   for s in summaries])
+    lat = _table(["label", *stat_header],
+                 [[s["label"], *(s[m][st] for m, st in STAT_COLUMNS)] for s in summaries])
+    imgs = "".join(
+        f'<h3>{html.escape(p.stem)}</h3><img alt="{html.escape(p.stem)}" '
+        f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+        for p in images)
+    style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
+             "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
+             "img{max-width:100%}")
+    title = html.escape(title)
+    return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}"
+            f"</title><style>{style}</style></head><body><h1>{title}</h1>"
+            f"<h2>Setup</h2>{_table(['key', 'value'], meta_rows)}"
+            f"<h2>Runs</h2>{runs}<h2>Latency (seconds)</h2>{lat}"
+            f"<h2>Anatomy</h2>{_anatomy_table(summaries)}<h2>Plots</h2>{imgs}"
+            f"</body></html>")
+
+
+def text_summary(summary: dict[str, Any]) -> str:
+    """Two lines per run for the terminal."""
+    s = summary
+
+    def lat(metric: str) -> str:
+        st = s[metric]
+        return f"{metric.removesuffix('_s').upper()} p50 {_num(st['p50'])} p99 {_num(st['p99'])}"
+
+    errors = f" errors {s['errors']}" if s["errors"] else ""
+    return (f"{s['label']}: {s['completed']} ok / {s['failed']} failed in "
+            f"{s['duration_s']:.1f} s | {s['request_throughput']:.3g} req/s, "
+            f"{s['output_token_throughput']:.4g} out tok/s | goodput {s['goodput']:.3g} req/s "
+            f"({100 * s['goodput_share']:.0f}%){errors}\n  "
+            + " | ".join(lat(m) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s")) + " (s)")
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def draw_plots(out_dir: Path, runs: Sequence[tuple[str, Sequence[RequestRecord]]],
+               summaries: Sequence[dict[str, Any]]) -> list[Path]:
+    plot_dir = out_dir / "plots"
+    plot_dir.mkdir(parents=True, exist_ok=True)
+    drawn = [
+        plots.latency_cdfs(runs, plot_dir / "latency_cdfs.png"),
+        plots.latency_vs_rate(summaries, plot_dir / "latency_vs_rate.png"),
+        plots.goodput_vs_rate(summaries, plot_dir / "goodput_vs_rate.png"),
+        plots.anatomy_bars([(s["label"], s) for s in summaries], plot_dir / "anatomy.png"),
+    ]
+    return [p for p in drawn if p is not None]
+
+
+def write_report(out_dir: Path, results: Sequence[RunResult], slos: SLOs,
+                 meta: dict[str, Any], with_plots: bool = True) -> dict[str, Any]:
+    """Writes every output file for ``results``; returns the summary document."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summaries = [run_summary(r, slos) for r in results]
+    document = _json_safe({"meta": meta, "runs": summaries})
+    (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
+    write_summary_csv(out_dir / "summary.csv", summaries)
+    records = [rec for r in results for rec in r.records]
+    write_records_jsonl(out_dir / "requests.jsonl", records)
+    write_requests_csv(out_dir / "requests.csv", records)
+    images: list[Path] = []
+    if with_plots:
+        images = draw_plots(out_dir, [(r.label, r.records) for r in results], summaries)
+    (out_dir / "report.html").write_text(render_html(meta, summaries, images))
+    return dict(document)
