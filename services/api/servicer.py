@@ -9,13 +9,14 @@ import math
 import time
 import uuid
 from collections.abc import AsyncIterator
+
 import grpc
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from services.api import validation
-from services.api.backend import Backend, Delta, GenerationRequest
-from services.api.prompts import render
+from services.api.backend import Backend, Delta
+from services.api.prepare import limits_of, prepare
 
 log = logging.getLogger(__name__)
 
@@ -66,21 +67,8 @@ def _final(
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        facts = backend.facts
-        self.limits = validation.Limits(
-            served_model=facts.name,
-            max_model_len=facts.max_model_len,
-            vocab_size=facts.vocab_size,
-        )
+        self.limits = limits_of(backend.facts)
 
-    def _prepare(self, request: pb.GenerateRequest, request_id: str) -> GenerationRequest:
-        validation.check_request_id(request.request_id)
-        validation.check_model(request.model, self.limits)
-        prompt = validation.check_input(request, self.limits)
-        kwargs = validation.sampling_kwargs(request.sampling, self.limits)
-        prompt_ids = render(prompt, self.backend.tokenizer)
-        max_tokens = validation.resolve_max_tokens(request.sampling, len(prompt_ids), self.limits)
-        return GenerationRequest(request_id, prompt_ids, request.sampling, kwargs, max_tokens)
 
     async def Generate(
         self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
@@ -88,7 +76,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         started = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            req = self._prepare(request, request_id)
+            req = prepare(request, request_id, self.limits, self.backend.tokenizer)
         except validation.RequestError as e:
             await context.abort(e.code, e.message)
         prompt_tokens = len(req.prompt_token_ids)
