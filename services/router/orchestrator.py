@@ -90,7 +90,7 @@ class DisaggBackend:
         self.fault = ""  # set by tests: fault injection on every request (workers must allow)
 
     async def connect(self, prefill_target: str, decode_target: str) -> None:
-        links = []
+        links: list[WorkerLink] = []
         for target in (prefill_target, decode_target):
             channel = grpc.aio.insecure_channel(target, options=grpc_options(64 << 20))
             stub = (wpb_grpc.PrefillServiceStub if not links else wpb_grpc.DecodeServiceStub)
