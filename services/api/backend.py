@@ -48,6 +48,7 @@ class GenerationRequest:
     sampling: pb.SamplingParams  # as the client sent it (forwarded to workers)
     sampling_kwargs: dict[str, Any]  # validated keyword arguments for vLLM's SamplingParams
     max_tokens: int  # resolved against the context length
+    timeout_s: float | None = None  # what is left of the client's deadline, if it set one
 
 
 def vllm_params(req: GenerationRequest, max_tokens: int | None = None,

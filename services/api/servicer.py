@@ -76,7 +76,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         started = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
-            req = prepare(request, request_id, self.limits, self.backend.tokenizer)
+            req = prepare(request, request_id, self.limits, self.backend.tokenizer,
+                          context.time_remaining())
         except validation.RequestError as e:
             await context.abort(e.code, e.message)
         prompt_tokens = len(req.prompt_token_ids)

@@ -45,12 +45,13 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         self.policy = worker.config.kv_load_failure_policy
 
     def _check(self, req: wpb.DecodeRequest) -> GenerationRequest:
-        ids = [*req.prompt_token_ids, req.first_token_id]
+        local = not req.HasField("handle")  # no prefill worker: prefill here
+        ids = [*req.prompt_token_ids] if local else [*req.prompt_token_ids, req.first_token_id]
         validation.check_token_ids(ids, self.limits, "prompt_token_ids + first_token_id")
         kwargs = validation.sampling_kwargs(req.sampling, self.limits)
         max_tokens = validation.resolve_max_tokens(req.sampling, len(ids), self.limits)
         h = req.handle
-        if not h.transfer_id:
+        if not local and not h.transfer_id:
             raise validation.invalid("handle.transfer_id: required")
         if h.num_tokens > len(req.prompt_token_ids):
             raise validation.invalid(
@@ -74,8 +75,10 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             await context.abort(e.code, e.message)
         h = req.handle
         extra: dict[str, Any] = {}
-        stale = self._stale(h)
-        if stale:
+        stale = self._stale(h) if req.HasField("handle") else ""
+        if not req.HasField("handle"):
+            pass  # prefilled here (conditional disaggregation): nothing to receive
+        elif stale:
             KV_FAILURES.labels(self.policy).inc()
             if self.policy == "fail":
                 await context.abort(grpc.StatusCode.FAILED_PRECONDITION, stale)
@@ -102,6 +105,10 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         timings = pb.Timings(decode_queue_s=delta.timings.get("queue_s", 0.0),
                              decode_s=delta.timings.get("prefill_s", 0.0)
                              + delta.timings.get("decode_s", 0.0))
+        if not h.transfer_id:  # prefilled here: report the phases as the colocated mode does
+            t = delta.timings
+            timings = pb.Timings(queue_s=t.get("queue_s", 0.0), prefill_s=t.get("prefill_s", 0.0),
+                                 decode_s=t.get("decode_s", 0.0))
         report = (getattr(out, "kv_transfer_params", None) or {}).get(LOAD_KEY)
         if report is not None:
             if report["ok"]:

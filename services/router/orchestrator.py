@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -76,6 +75,100 @@ class WorkerLink:
     info: wpb.WorkerInfo
 
 
+def kv_target(info: wpb.WorkerInfo) -> wpb.KVTarget:
+    return wpb.KVTarget(worker_id=info.worker_id, epoch=info.epoch, kv_address=info.kv_address,
+                        kv_transport=info.kv_transport,
+                        fingerprint_digest=info.fingerprint_digest)
+
+
+async def run_pair(req: GenerationRequest, prefill: wpb_grpc.PrefillServiceStub | None,
+                   decode: wpb_grpc.DecodeServiceStub, target: wpb.KVTarget,
+                   fault: str = "") -> AsyncIterator[Delta]:
+    """One request: prefill (token 1, KV shipped to `target`), then decode (tokens 2..n).
+    Without a prefill worker the decode worker prefills the prompt itself."""
+    timeout = req.timeout_s
+    if prefill is None:
+        call = decode.Decode(wpb.DecodeRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=_with_max_tokens(req.sampling, req.max_tokens)), timeout=timeout)
+        async for delta in _stream_decode(call, {}, 0):
+            yield delta
+        return
+    try:
+        first = await prefill.Prefill(wpb.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=req.sampling, transfer_id=uuid.uuid4().hex, fault=fault, target=target),
+            timeout=timeout)
+    except grpc.aio.AioRpcError as e:
+        raise _worker_error("prefill", e) from e
+    prefill_timings = {"queue_s": first.queue_s, "prefill_s": first.prefill_s}
+    token1 = Delta([first.first_token_id], first.first_token_text,
+                   _logprobs(list(first.logprobs)))
+    if first.finished or req.max_tokens == 1:
+        token1.finished = True
+        token1.finish_reason = "stop" if first.finished else "length"
+        token1.stop_reason = first.stop_reason or None
+        token1.num_cached_tokens = first.cached_tokens
+        token1.timings = prefill_timings
+        yield token1
+        return
+    yield token1
+    sampling = _with_max_tokens(req.sampling, req.max_tokens - 1)
+    sampling.min_tokens = max(0, sampling.min_tokens - 1)
+    call = decode.Decode(wpb.DecodeRequest(
+        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+        first_token_id=first.first_token_id, sampling=sampling, handle=first.handle,
+        fault=fault), timeout=None if timeout is None else max(0.1, timeout))
+    async for delta in _stream_decode(call, prefill_timings, first.cached_tokens):
+        yield delta
+
+
+def _with_max_tokens(sampling: pb.SamplingParams, max_tokens: int) -> pb.SamplingParams:
+    out = pb.SamplingParams()
+    out.CopyFrom(sampling)
+    out.max_tokens = max_tokens
+    return out
+
+
+async def _stream_decode(call: grpc.aio.UnaryStreamCall, prefill_timings: dict[str, float],
+                         cached_tokens: int) -> AsyncIterator[Delta]:
+    try:
+        async for r in call:
+            if r.HasField("chunk"):
+                yield Delta(list(r.chunk.token_ids), r.chunk.text,
+                            _logprobs(list(r.chunk.logprobs)))
+            elif r.HasField("final"):
+                yield _final(r.final, prefill_timings, cached_tokens)
+                return
+    except grpc.aio.AioRpcError as e:
+        raise _worker_error("decode", e) from e
+    raise RequestError(grpc.StatusCode.UNAVAILABLE, "decode worker: stream ended early")
+
+
+def _final(final: pb.Final, prefill_timings: dict[str, float], cached_tokens: int) -> Delta:
+    t = final.timings
+    timings = {"decode_queue_s": t.decode_queue_s, "decode_s": t.decode_s,
+               "kv_transfer_s": t.kv_transfer_s, "kv_transfer_bytes": float(t.kv_transfer_bytes),
+               "kv_transfer_hidden_s": t.kv_transfer_hidden_s}
+    if prefill_timings:
+        timings.update(prefill_timings)
+    else:  # prefilled on the decode worker: its queue and prefill are the request's
+        timings.update(queue_s=t.queue_s, prefill_s=t.prefill_s)
+    return Delta([], "", finished=True, finish_reason=FINISH_NAMES.get(final.finish_reason,
+                 "abort"), stop_reason=final.stop_reason or None,
+                 num_cached_tokens=cached_tokens or final.usage.cached_tokens, timings=timings)
+
+
+def model_facts(tokenizer: PreTrainedTokenizerBase, model_path: str, model: str,
+                max_model_len: int, vocab_size: int, dtype: str) -> ModelFacts:
+    eos = tokenizer.eos_token_id
+    return ModelFacts(
+        name=model, path=Path(model_path), max_model_len=max_model_len, vocab_size=vocab_size,
+        eos_token_ids=(eos,) if eos is not None else (), bos_token_id=tokenizer.bos_token_id,
+        has_chat_template=bool(tokenizer.chat_template), tokenizer_class=type(tokenizer).__name__,
+        dtype=dtype)
+
+
 class DisaggBackend:
     """One prefill worker and one decode worker (the router generalizes this to pools)."""
 
@@ -99,15 +192,8 @@ class DisaggBackend:
         check_pair(links[0].info, links[1].info)
         self.prefill, self.decode = links
         d = links[1].info
-        fp = json.loads(d.fingerprint_json)
-        tok = self._tokenizer
-        eos = tok.eos_token_id
-        self._facts = ModelFacts(
-            name=d.model, path=Path(self._model_path), max_model_len=d.max_model_len,
-            vocab_size=d.vocab_size, eos_token_ids=(eos,) if eos is not None else (),
-            bos_token_id=tok.bos_token_id, has_chat_template=bool(tok.chat_template),
-            tokenizer_class=type(tok).__name__, dtype=str(fp.get("dtype", "")),
-        )
+        self._facts = model_facts(self._tokenizer, self._model_path, d.model, d.max_model_len,
+                                  d.vocab_size, json.loads(d.fingerprint_json).get("dtype", ""))
 
     @property
     def facts(self) -> ModelFacts:
@@ -125,61 +211,7 @@ class DisaggBackend:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         assert self.prefill is not None and self.decode is not None
-        d = self.decode.info
-        transfer_id = uuid.uuid4().hex
-        started = time.monotonic()
-        try:
-            first = await wpb_grpc.PrefillServiceStub(self.prefill.channel).Prefill(
-                wpb.PrefillRequest(
-                    request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                    sampling=req.sampling, transfer_id=transfer_id, fault=self.fault,
-                    target=wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch,
-                                        kv_address=d.kv_address, kv_transport=d.kv_transport,
-                                        fingerprint_digest=d.fingerprint_digest)))
-        except grpc.aio.AioRpcError as e:
-            raise _worker_error("prefill", e) from e
-        prefill_timings = {"queue_s": first.queue_s, "prefill_s": first.prefill_s}
-        token1 = Delta([first.first_token_id], first.first_token_text,
-                       _logprobs(list(first.logprobs)))
-        if first.finished or req.max_tokens == 1:
-            token1.finished = True
-            token1.finish_reason = "stop" if first.finished else "length"
-            token1.stop_reason = first.stop_reason or None
-            token1.num_cached_tokens = first.cached_tokens
-            token1.timings = prefill_timings
-            yield token1
-            return
-        yield token1
-        sampling = pb.SamplingParams()
-        sampling.CopyFrom(req.sampling)
-        sampling.max_tokens = req.max_tokens - 1
-        sampling.min_tokens = max(0, sampling.min_tokens - 1)
-        call = wpb_grpc.DecodeServiceStub(self.decode.channel).Decode(wpb.DecodeRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            first_token_id=first.first_token_id, sampling=sampling, handle=first.handle,
-            fault=self.fault))
-        try:
-            async for r in call:
-                if r.HasField("chunk"):
-                    yield Delta(list(r.chunk.token_ids), r.chunk.text,
-                                _logprobs(list(r.chunk.logprobs)))
-                elif r.HasField("final"):
-                    yield self._final(r.final, first, prefill_timings)
-                    return
-        except grpc.aio.AioRpcError as e:
-            raise _worker_error("decode", e) from e
-        log.warning("decode stream for %s ended without a final message (%.1f s)",
-                    req.request_id, time.monotonic() - started)
-
-    @staticmethod
-    def _final(final: pb.Final, first: wpb.PrefillResponse,
-               prefill_timings: dict[str, float]) -> Delta:
-        t = final.timings
-        timings = {**prefill_timings, "decode_queue_s": t.decode_queue_s, "decode_s": t.decode_s,
-                   "kv_transfer_s": t.kv_transfer_s,
-                   "kv_transfer_bytes": float(t.kv_transfer_bytes),
-                   "kv_transfer_hidden_s": t.kv_transfer_hidden_s}
-        return Delta([], "", finished=True,
-                     finish_reason=FINISH_NAMES.get(final.finish_reason, "abort"),
-                     stop_reason=final.stop_reason or None,
-                     num_cached_tokens=first.cached_tokens, timings=timings)
+        async for delta in run_pair(req, wpb_grpc.PrefillServiceStub(self.prefill.channel),
+                                    wpb_grpc.DecodeServiceStub(self.decode.channel),
+                                    kv_target(self.decode.info), self.fault):
+            yield delta

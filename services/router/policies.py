@@ -1,0 +1,137 @@
+"""Routing policies: pick the (prefill, decode) pair for a request. Pure Python over
+registry records and the router's own in-flight counts; no sockets, no Redis.
+
+Every policy answers with a `Choice`; `prefill=None` means "prefill on the decode
+worker itself" (conditional disaggregation: a short prompt is not worth a KV transfer,
+and a saturated prefill pool should not hold up requests a decode worker can take).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from services.registry.records import WorkerRecord
+
+KV_FULL = 0.95  # a decode worker above this KV usage takes no new requests
+
+
+@dataclass(frozen=True, slots=True)
+class RouteInput:
+    prompt_len: int
+    # cached prefix tokens per prefill worker, from the prefix index
+    prefix_hits: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class LocalLoad:
+    """What this router has in flight per worker (heartbeats lag by up to a second)."""
+
+    requests: dict[str, int] = field(default_factory=dict)
+    prompt_tokens: dict[str, int] = field(default_factory=dict)
+
+    def add(self, worker_id: str, tokens: int, sign: int = 1) -> None:
+        self.requests[worker_id] = self.requests.get(worker_id, 0) + sign
+        self.prompt_tokens[worker_id] = self.prompt_tokens.get(worker_id, 0) + sign * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Choice:
+    prefill: WorkerRecord | None  # None: prefill on the decode worker
+    decode: WorkerRecord
+    reason: str  # for the pair-choice metric: "round_robin", "load", "prefix", "local_*"
+
+
+class Policy(Protocol):
+    name: str
+
+    def choose(self, prefills: Sequence[WorkerRecord], decodes: Sequence[WorkerRecord],
+               req: RouteInput, local: LocalLoad) -> Choice | None: ...
+
+
+def decode_has_room(d: WorkerRecord, local: LocalLoad) -> bool:
+    busy = d.load.running + d.load.waiting + local.requests.get(d.worker_id, 0)
+    return busy < d.capacity and d.load.kv_usage < KV_FULL
+
+
+def compatible(p: WorkerRecord, d: WorkerRecord) -> bool:
+    return p.fingerprint == d.fingerprint
+
+
+class RoundRobin:
+    """The baseline: each pool in turn, ignoring load (capacity is still respected)."""
+
+    name = "round_robin"
+
+    def __init__(self) -> None:
+        self._next = {"prefill": 0, "decode": 0}
+
+    def _take(self, pool: str, workers: Sequence[WorkerRecord]) -> WorkerRecord | None:
+        if not workers:
+            return None
+        i = self._next[pool] % len(workers)
+        self._next[pool] = i + 1
+        return sorted(workers, key=lambda w: w.worker_id)[i]
+
+    def choose(self, prefills: Sequence[WorkerRecord], decodes: Sequence[WorkerRecord],
+               req: RouteInput, local: LocalLoad) -> Choice | None:
+        d = self._take("decode", [d for d in decodes if decode_has_room(d, local)])
+        if d is None:
+            return None
+        p = self._take("prefill", [p for p in prefills if compatible(p, d)])
+        return Choice(p, d, self.name) if p is not None else Choice(None, d, "local_no_prefill")
+
+
+@dataclass
+class LoadAware:
+    """Prefill by queued prompt tokens (minus cached prefix), decode by KV usage and
+    running sequences, chosen jointly with the cost of moving the KV between hosts."""
+
+    transfer_cost_tokens: int = 256  # a cross-host transfer costs like this many prompt tokens
+    decode_weight_tokens: int = 512  # a fully loaded decode worker costs like this many
+    local_prefill_max_tokens: int = 0  # prompts up to this long prefill on the decode worker
+    saturated_queue_tokens: int = 8192  # prefill pool saturated above this queue per worker
+    name: str = "load"
+
+    def prefill_cost(self, p: WorkerRecord, req: RouteInput, local: LocalLoad) -> int:
+        queued = p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
+        return queued + max(0, req.prompt_len - req.prefix_hits.get(p.worker_id, 0))
+
+    def decode_cost(self, d: WorkerRecord, local: LocalLoad) -> float:
+        busy = d.load.running + d.load.waiting + local.requests.get(d.worker_id, 0)
+        return self.decode_weight_tokens * max(busy / max(d.capacity, 1), d.load.kv_usage)
+
+    def choose(self, prefills: Sequence[WorkerRecord], decodes: Sequence[WorkerRecord],
+               req: RouteInput, local: LocalLoad) -> Choice | None:
+        open_decodes = [d for d in decodes if decode_has_room(d, local)]
+        if not open_decodes:
+            return None
+        best_decode = min(open_decodes, key=lambda d: self.decode_cost(d, local))
+        if req.prompt_len <= self.local_prefill_max_tokens:
+            return Choice(None, best_decode, "local_short_prompt")
+        best: tuple[float, WorkerRecord, WorkerRecord] | None = None
+        for d in open_decodes:
+            for p in prefills:
+                if not compatible(p, d):
+                    continue
+                cost = (self.prefill_cost(p, req, local) + self.decode_cost(d, local)
+                        + (0 if p.host == d.host else self.transfer_cost_tokens))
+                if best is None or cost < best[0]:
+                    best = (cost, p, d)
+        if best is None:
+            return Choice(None, best_decode, "local_no_prefill")
+        _, p, d = best
+        queued = p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
+        if self.local_prefill_max_tokens and queued > self.saturated_queue_tokens:
+            return Choice(None, best_decode, "local_prefill_saturated")
+        reason = "prefix" if req.prefix_hits.get(p.worker_id, 0) > 0 else "load"
+        return Choice(p, d, reason)
+
+
+def make_policy(name: str, local_prefill_max_tokens: int = 0) -> Policy:
+    if name == "round_robin":
+        return RoundRobin()
+    if name == "load":
+        return LoadAware(local_prefill_max_tokens=local_prefill_max_tokens)
+    raise ValueError(f"unknown routing policy {name!r}; use round_robin or load")

@@ -1,0 +1,77 @@
+"""Routing policies: pure functions of registry records and local in-flight counts."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from services.registry.records import WorkerLoad, WorkerRecord
+from services.router.policies import LoadAware, LocalLoad, RoundRobin, RouteInput
+
+
+def worker(wid: str, role: str, host: str = "h1", fp: str = "f", capacity: int = 8,
+           **load: float) -> WorkerRecord:
+    return WorkerRecord(worker_id=wid, role=role, address=f"{wid}:1", host=host, epoch=1,
+                        fingerprint=fp, capacity=capacity,
+                        load=WorkerLoad(**load))  # type: ignore[arg-type]
+
+
+def test_round_robin_alternates_and_skips_full_decoders() -> None:
+    rr = RoundRobin()
+    prefills = [worker("p1", "prefill"), worker("p2", "prefill")]
+    decodes = [worker("d1", "decode"), worker("d2", "decode", running=8)]
+    picks = [rr.choose(prefills, decodes, RouteInput(10), LocalLoad()) for _ in range(4)]
+    assert Counter(c.prefill.worker_id for c in picks if c and c.prefill) == {"p1": 2, "p2": 2}
+    assert {c.decode.worker_id for c in picks if c} == {"d1"}
+
+
+def test_no_decode_room_means_no_choice() -> None:
+    full = [worker("d1", "decode", kv_usage=0.99), worker("d2", "decode", running=5, waiting=3)]
+    assert LoadAware().choose([worker("p1", "prefill")], full, RouteInput(10), LocalLoad()) is None
+    assert RoundRobin().choose([worker("p1", "prefill")], full, RouteInput(10),
+                               LocalLoad()) is None
+
+
+def test_prefill_by_queued_tokens_including_local_in_flight() -> None:
+    policy = LoadAware()
+    prefills = [worker("p1", "prefill", queued_prompt_tokens=100),
+                worker("p2", "prefill", queued_prompt_tokens=300)]
+    decodes = [worker("d1", "decode")]
+    assert policy.choose(prefills, decodes, RouteInput(50), LocalLoad()).prefill.worker_id == "p1"  # type: ignore[union-attr]
+    local = LocalLoad()
+    local.add("p1", 400)
+    assert policy.choose(prefills, decodes, RouteInput(50), local).prefill.worker_id == "p2"  # type: ignore[union-attr]
+
+
+def test_prefix_hits_pull_towards_the_worker_holding_the_prefix() -> None:
+    policy = LoadAware()
+    prefills = [worker("p1", "prefill", queued_prompt_tokens=200), worker("p2", "prefill")]
+    choice = policy.choose(prefills, [worker("d1", "decode")],
+                           RouteInput(1000, prefix_hits={"p1": 896}), LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p1", "prefix")
+
+
+def test_same_host_pair_preferred_and_layouts_must_match() -> None:
+    policy = LoadAware(transfer_cost_tokens=1000)
+    prefills = [worker("p1", "prefill", host="a"), worker("p2", "prefill", host="b")]
+    decodes = [worker("d1", "decode", host="b")]
+    choice = policy.choose(prefills, decodes, RouteInput(100), LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert choice.prefill.worker_id == "p2"
+    other = [worker("p3", "prefill", fp="other")]
+    fallback = policy.choose(other, decodes, RouteInput(100), LocalLoad())
+    assert fallback is not None and fallback.prefill is None
+    assert fallback.reason == "local_no_prefill"
+
+
+def test_conditional_disaggregation() -> None:
+    policy = LoadAware(local_prefill_max_tokens=64, saturated_queue_tokens=1000)
+    prefills = [worker("p1", "prefill")]
+    decodes = [worker("d1", "decode")]
+    short = policy.choose(prefills, decodes, RouteInput(64), LocalLoad())
+    assert short is not None and (short.prefill, short.reason) == (None, "local_short_prompt")
+    long = policy.choose(prefills, decodes, RouteInput(65), LocalLoad())
+    assert long is not None and long.prefill is not None
+    busy = [worker("p1", "prefill", queued_prompt_tokens=5000)]
+    saturated = policy.choose(busy, decodes, RouteInput(500), LocalLoad())
+    assert saturated is not None and saturated.reason == "local_prefill_saturated"
