@@ -3,6 +3,8 @@ epoch), the KV connector configuration of their engine, and how they are served.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import logging
 import os
@@ -21,6 +23,9 @@ from services.engine.config import EngineConfig
 from services.engine.engine import Engine
 from services.kv.fingerprint import LayoutFingerprint
 from services.kv.layout import fingerprint_of
+from services.registry.heartbeat import heartbeat_forever, vllm_load
+from services.registry.records import WorkerRecord
+from services.registry.registry import Registry
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +59,13 @@ class WorkerConfig(BaseSettings):
         "recompute", description="decode: on a corrupt, late or missing transfer, recompute "
         "the prompt locally, or fail the request"
     )
+    redis_url: str = Field("", description="Redis of the cluster: register there and "
+                           "heartbeat (empty = standalone, no registration)")
+    advertise_host: str = Field("", description="host the router uses to reach this worker's "
+                                "gRPC API; empty = 127.0.0.1 for loopback/any binds, else host")
+    heartbeat_s: float = Field(1.0, gt=0, description="seconds between registry heartbeats")
+    worker_ttl_s: float = Field(3.0, gt=0, description="a worker silent this long drops out "
+                                "of routing")
     allow_fault_injection: bool = Field(
         False, description="accept the `fault` field of internal requests (tests and "
         "failure drills only)"
@@ -64,6 +76,11 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+def local_host(bind_host: str) -> str:
+    """The address peers on this machine use for a server bound to `bind_host`."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "127.0.0.1", "") else bind_host
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,11 +131,23 @@ class Worker:
         kv_port = config.kv_port or (free_port() if role == "decode" else 0)
         engine = Engine(engine_cfg, kv_transfer_config(identity, config, kv_port))
         engine.start()
-        host = config.kv_advertise_host or (
-            "127.0.0.1" if config.kv_host in ("0.0.0.0", "::", "127.0.0.1") else config.kv_host
-        )
+        host = config.kv_advertise_host or local_host(config.kv_host)
         address = f"{host}:{kv_port}" if role == "decode" else ""
         return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address)
+
+    def record(self, address: str) -> WorkerRecord:
+        """This worker as the registry shows it, with its current load."""
+        facts = self.engine.facts
+        llm = self.engine.llm
+        return WorkerRecord(
+            worker_id=self.identity.worker_id, role=self.identity.role, address=address,
+            host=socket.gethostname(), epoch=self.identity.epoch,
+            fingerprint=self.fingerprint.digest(), kv_address=self.kv_address,
+            kv_transport=self.config.kv_transport if self.identity.role == "decode" else "",
+            capacity=self.engine.config.max_num_seqs, model=facts.name,
+            max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
+            load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
+        )
 
     def info(self) -> wpb.WorkerInfo:
         facts = self.engine.facts
@@ -144,7 +173,24 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
     service: Service = prefill_service(worker) if role == "prefill" else decode_service(worker)
     banner = (f"pdserve {role} worker {worker.identity.worker_id} (epoch "
               f"{worker.identity.epoch}, layout {worker.fingerprint.digest()})")
+    registry = Registry.from_url(config.redis_url, ttl_s=config.worker_ttl_s) if (
+        config.redis_url) else None
+    tasks: list[asyncio.Task[None]] = []
+
+    def register(port: int) -> None:
+        if registry is None:
+            return
+        host = config.advertise_host or local_host(server_cfg.host)
+        tasks.append(asyncio.create_task(heartbeat_forever(
+            registry, lambda: worker.record(f"{host}:{port}"), config.heartbeat_s)))
+
     try:
-        await serve(server_cfg, [service], banner)
+        await serve(server_cfg, [service], banner, on_ready=register)
     finally:
+        for task in tasks:
+            task.cancel()
+        if registry is not None:
+            with contextlib.suppress(Exception):
+                await registry.deregister(worker.identity.worker_id)
+            await registry.close()
         worker.engine.shutdown()

@@ -49,6 +49,7 @@ class GenerationRequest:
     sampling_kwargs: dict[str, Any]  # validated keyword arguments for vLLM's SamplingParams
     max_tokens: int  # resolved against the context length
     timeout_s: float | None = None  # what is left of the client's deadline, if it set one
+    client_id: str = ""  # the caller's x-client-id, for per-client limits
 
 
 def vllm_params(req: GenerationRequest, max_tokens: int | None = None,

@@ -16,8 +16,8 @@ if TYPE_CHECKING:
 
 
 def prepare(request: pb.GenerateRequest, request_id: str, limits: validation.Limits,
-            tokenizer: PreTrainedTokenizerBase, timeout_s: float | None = None
-            ) -> GenerationRequest:
+            tokenizer: PreTrainedTokenizerBase, timeout_s: float | None = None,
+            client_id: str = "") -> GenerationRequest:
     """Validate and tokenize; raises `validation.RequestError` naming the bad field."""
     validation.check_request_id(request.request_id)
     validation.check_model(request.model, limits)
@@ -26,7 +26,7 @@ def prepare(request: pb.GenerateRequest, request_id: str, limits: validation.Lim
     prompt_ids = render(prompt, tokenizer)
     max_tokens = validation.resolve_max_tokens(request.sampling, len(prompt_ids), limits)
     return GenerationRequest(request_id, prompt_ids, request.sampling, kwargs, max_tokens,
-                             timeout_s)
+                             timeout_s, client_id)
 
 
 def limits_of(facts: ModelFacts) -> validation.Limits:

@@ -76,8 +76,9 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         started = time.monotonic()
         request_id = request.request_id or uuid.uuid4().hex
         try:
+            metadata = dict(context.invocation_metadata() or ())
             req = prepare(request, request_id, self.limits, self.backend.tokenizer,
-                          context.time_remaining())
+                          context.time_remaining(), str(metadata.get("x-client-id", "")))
         except validation.RequestError as e:
             await context.abort(e.code, e.message)
         prompt_tokens = len(req.prompt_token_ids)
@@ -97,6 +98,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     )
                     return
         except validation.RequestError as e:
+            if e.retry_after_ms is not None:
+                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
             await context.abort(e.code, e.message)
         except Exception as e:
             name = type(e).__name__

@@ -24,10 +24,12 @@ MAX_REQUEST_ID_CHARS = 256
 class RequestError(Exception):
     """A request the server refuses; `code` is the gRPC status to answer with."""
 
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+    def __init__(self, code: grpc.StatusCode, message: str,
+                 retry_after_ms: int | None = None) -> None:
         super().__init__(message)
         self.code = code
         self.message = message
+        self.retry_after_ms = retry_after_ms  # sent as `retry-after-ms` trailing metadata
 
 
 def invalid(message: str) -> RequestError:

@@ -28,6 +28,10 @@ class WorkerRecord:
     kv_address: str = ""  # decode: where KV transfers are received
     kv_transport: str = ""
     capacity: int = 64  # most running sequences (max_num_seqs)
+    model: str = ""  # served model name
+    max_model_len: int = 0
+    vocab_size: int = 0
+    dtype: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated: float = 0.0  # time.time() of the last heartbeat
 

@@ -1,0 +1,36 @@
+"""Router settings. Env prefix PDSERVE_."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RouterConfig(BaseSettings):
+    """How the router finds workers, routes and admits. Env prefix PDSERVE_."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
+
+    redis_url: str = Field("", description="Redis holding the cluster state, e.g. "
+                           "redis://host:6379/0 (required for the router and pool workers)")
+    router_model: str = Field("", description="router: model folder for the tokenizer and chat "
+                              "template; empty = the prepared default model")
+    policy: Literal["load", "round_robin"] = Field(
+        "load", description="router: pair choice: load (queued prompt tokens, KV usage, prefix "
+        "cache, transfer cost) or round_robin (baseline)")
+    local_prefill_max_tokens: int = Field(
+        0, ge=0, description="router: prompts up to this many tokens, or any prompt while the "
+        "prefill pool is saturated, prefill on the decode worker (0 = always disaggregate)")
+    max_inflight: int = Field(256, ge=1, description="router: requests in flight before new "
+                              "ones get RESOURCE_EXHAUSTED")
+    client_max_inflight: int = Field(
+        0, ge=0, description="router: requests in flight per client (x-client-id metadata), "
+        "counted across routers in Redis (0 = no limit)")
+    retry_after_ms: int = Field(500, ge=1, description="router: retry hint sent with "
+                                "RESOURCE_EXHAUSTED")
+    refresh_s: float = Field(0.5, gt=0, description="router: how often the worker view is "
+                             "re-read from Redis")
+    block_size: int = Field(128, ge=1, description="router: KV block size used for prefix "
+                            "hashing (the engines' block size)")

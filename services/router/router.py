@@ -1,0 +1,200 @@
+"""The router: the public API in front of pools of prefill and decode workers.
+
+Each request is admitted (bounded in-flight count, per-client limit in Redis), routed
+(a policy picks the pair from the registry's view plus this router's own in-flight
+counts and the prefix index), then run as prefill -> decode (`orchestrator.run_pair`).
+Router replicas keep no state of their own beyond what is in flight: any of them can
+serve any request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
+
+import grpc
+from prometheus_client import Counter, Gauge, Histogram
+
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wpb_grpc
+from services.api.backend import Delta, GenerationRequest
+from services.api.server import grpc_options
+from services.api.validation import RequestError
+from services.engine.engine import ModelFacts
+from services.registry.records import WorkerRecord
+from services.registry.registry import Registry
+from services.router.config import RouterConfig
+from services.router.orchestrator import model_facts, run_pair
+from services.router.policies import Choice, LocalLoad, Policy, RouteInput, make_policy
+from services.router.prefix import block_hashes
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger(__name__)
+
+INFLIGHT = Gauge("pdserve_router_inflight", "requests in flight in this router")
+PAIR_CHOICES = Counter("pdserve_router_pair_choices", "pairs chosen, by reason", ["reason"])
+DISAGG = Counter("pdserve_router_disaggregation_decisions",
+                 "conditional disaggregation: prefill on a prefill worker or locally",
+                 ["decision"])
+REJECTIONS = Counter("pdserve_router_rejections", "requests refused at admission", ["reason"])
+TTFT = Histogram("pdserve_router_time_to_first_token_seconds", "router-side TTFT",
+                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40))
+E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side request latency",
+                buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
+
+
+class RouterBackend:
+    mode = "disaggregated"
+
+    def __init__(self, config: RouterConfig, registry: Registry, tokenizer: PreTrainedTokenizerBase,
+                 model_path: str) -> None:
+        self.config = config
+        self.registry = registry
+        self._tokenizer = tokenizer
+        self._model_path = model_path
+        self.policy: Policy = make_policy(config.policy, config.local_prefill_max_tokens)
+        self.local = LocalLoad()
+        self.inflight = 0
+        self._view: list[WorkerRecord] = []
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._facts: ModelFacts | None = None
+        self._refresher: asyncio.Task[None] | None = None
+
+    # -- the worker view --------------------------------------------------------------
+    async def start(self, wait_for_workers_s: float = 600.0) -> None:
+        """Read the registry until a decode worker is there, then keep refreshing."""
+        deadline = time.monotonic() + wait_for_workers_s
+        while True:
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            if any(w.role == "decode" for w in self._view):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("no decode worker registered in Redis")
+            await asyncio.sleep(self.config.refresh_s)
+        self._refresher = asyncio.create_task(self._refresh_forever())
+
+    async def refresh(self) -> None:
+        self._view = await self.registry.workers()
+        decode = next((w for w in self._view if w.role == "decode"), None)
+        if decode is not None and self._facts is None:
+            self._facts = model_facts(self._tokenizer, self._model_path,
+                                      decode.model, decode.max_model_len, decode.vocab_size,
+                                      decode.dtype)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_s)
+            try:
+                await self.refresh()
+            except Exception as e:  # Redis away: keep routing on the last view
+                log.warning("registry refresh failed (%s); using the last view", e)
+
+    async def close(self) -> None:
+        if self._refresher is not None:
+            self._refresher.cancel()
+        for channel in self._channels.values():
+            await channel.close()
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = grpc.aio.insecure_channel(address,
+                                                                options=grpc_options(64 << 20))
+        return self._channels[address]
+
+    @property
+    def facts(self) -> ModelFacts:
+        assert self._facts is not None, "start() first"
+        return self._facts
+
+    @property
+    def tokenizer(self) -> PreTrainedTokenizerBase:
+        return self._tokenizer
+
+    # -- requests ---------------------------------------------------------------------
+    def _reject(self, reason: str, message: str) -> RequestError:
+        REJECTIONS.labels(reason).inc()
+        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                            f"{message}; retry in {self.config.retry_after_ms} ms",
+                            retry_after_ms=self.config.retry_after_ms)
+
+    async def _choose(self, req: GenerationRequest, hashes: list[str]) -> Choice:
+        prefills = [w for w in self._view if w.role == "prefill"]
+        decodes = [w for w in self._view if w.role == "decode"]
+        if not decodes:
+            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+        hits: dict[str, int] = {}
+        if hashes:
+            try:
+                hits = await self.registry.prefix_hits(hashes, self.config.block_size)
+            except Exception as e:  # the index is an optimization: route without it
+                log.warning("prefix lookup failed: %s", e)
+        choice = self.policy.choose(prefills, decodes, RouteInput(len(req.prompt_token_ids),
+                                                                  hits), self.local)
+        if choice is None:
+            raise self._reject("capacity", "every decode worker is at capacity")
+        return choice
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        if self.inflight >= self.config.max_inflight:
+            raise self._reject("router_queue", f"router has {self.inflight} requests in flight")
+        limit = self.config.client_max_inflight
+        if (limit and req.client_id
+                and not await self.registry.acquire_client_slot(req.client_id, limit)):
+            raise self._reject("client_limit", f"client {req.client_id!r} has {limit} "
+                               "requests in flight")
+        self.inflight += 1
+        INFLIGHT.set(self.inflight)
+        started = time.monotonic()
+        hashes = block_hashes(req.prompt_token_ids, self.config.block_size)
+        try:
+            choice = await self._choose(req, hashes)
+            PAIR_CHOICES.labels(choice.reason).inc()
+            DISAGG.labels("remote" if choice.prefill else "local").inc()
+            async for delta in self._run(req, choice, hashes, started):
+                yield delta
+        finally:
+            self.inflight -= 1
+            INFLIGHT.set(self.inflight)
+            E2E.observe(time.monotonic() - started)
+            if limit and req.client_id:
+                with contextlib.suppress(Exception):
+                    await self.registry.release_client_slot(req.client_id)
+
+    async def _run(self, req: GenerationRequest, choice: Choice, hashes: list[str],
+                   started: float) -> AsyncIterator[Delta]:
+        p, d = choice.prefill, choice.decode
+        tokens = len(req.prompt_token_ids)
+        loaded = p or d
+        self.local.add(loaded.worker_id, tokens)
+        if p is not None:
+            self.local.add(d.worker_id, 0)
+        first = True
+        try:
+            target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch,
+                                  kv_address=d.kv_address, kv_transport=d.kv_transport,
+                                  fingerprint_digest=d.fingerprint)
+            prefill = wpb_grpc.PrefillServiceStub(self.channel(p.address)) if p else None
+            async for delta in run_pair(req, prefill,
+                                        wpb_grpc.DecodeServiceStub(self.channel(d.address)),
+                                        target):
+                if first:
+                    first = False
+                    TTFT.observe(time.monotonic() - started)
+                    delta.timings.setdefault("router_queue_s", 0.0)
+                    if p is not None and hashes:
+                        with contextlib.suppress(Exception):
+                            await self.registry.record_prefix(p.worker_id, hashes)
+                if delta.finished:
+                    delta.timings["router_queue_s"] = 0.0
+                yield delta
+        finally:
+            self.local.add(loaded.worker_id, tokens, -1)
+            if p is not None:
+                self.local.add(d.worker_id, 0, -1)

@@ -1,0 +1,33 @@
+"""`pdserve router`: the router as a standalone service (a Kubernetes pod, a Ray actor)."""
+
+from __future__ import annotations
+
+import logging
+
+from services.api.server import ServerConfig, generation_service, serve
+from services.engine.model import resolve_model
+from services.registry.registry import Registry
+from services.router.config import RouterConfig
+from services.router.router import RouterBackend
+
+log = logging.getLogger(__name__)
+
+
+async def run_router(server_cfg: ServerConfig, config: RouterConfig) -> None:
+    from transformers import AutoTokenizer
+
+    if not config.redis_url:
+        raise ValueError("the router needs --redis-url (or PDSERVE_REDIS_URL): workers "
+                         "register there")
+    model_path = resolve_model(config.router_model)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_path))
+    registry = Registry.from_url(config.redis_url)
+    backend = RouterBackend(config, registry, tokenizer, str(model_path))
+    try:
+        log.info("waiting for workers to register in %s", config.redis_url)
+        await backend.start()
+        await serve(server_cfg, [generation_service(backend)],
+                    f"pdserve router ({config.policy}) serving {backend.facts.name}")
+    finally:
+        await backend.close()
+        await registry.close()
