@@ -12,6 +12,7 @@ from typing import Any
 
 from services.api.server import ServerConfig
 from services.engine.config import EngineConfig
+from services.router.config import RouterConfig
 from services.router.local import add_disagg_arguments
 from services.settings import add_arguments, from_arguments
 from services.workers import WorkerConfig
@@ -46,8 +47,9 @@ async def _serve_colocated(engine_cfg: EngineConfig, server_cfg: ServerConfig) -
     engine = Engine(engine_cfg)
     engine.start()
     try:
-        await serve(server_cfg, [generation_service(ColocatedBackend(engine))],
-                    f"pdserve (colocated) serving {engine.served_name}")
+        backend = ColocatedBackend(engine)
+        await serve(server_cfg, [generation_service(backend)],
+                    f"pdserve (colocated) serving {engine.served_name}", http_backend=backend)
     finally:
         engine.shutdown()
 
@@ -86,6 +88,56 @@ def cmd_worker(args: argparse.Namespace) -> int:
     except ModelPrepareError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def cmd_router(args: argparse.Namespace) -> int:
+    from services.engine.model import ModelPrepareError
+    from services.router.config import RouterConfig
+    from services.router.service import run_router
+
+    try:
+        asyncio.run(run_router(from_arguments(ServerConfig, args),
+                               from_arguments(RouterConfig, args)))
+    except (ModelPrepareError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_up(args: argparse.Namespace) -> int:
+    from services.launcher.up import LauncherConfig, Stack, run_up
+
+    stack = Stack(from_arguments(LauncherConfig, args), from_arguments(EngineConfig, args),
+                  from_arguments(ServerConfig, args), from_arguments(WorkerConfig, args),
+                  from_arguments(RouterConfig, args))
+    asyncio.run(run_up(stack))
+    return 0
+
+
+def cmd_scale(args: argparse.Namespace) -> int:
+    from services.launcher.up import set_desired
+
+    update = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode))
+              if v is not None}
+    try:
+        want = asyncio.run(set_desired(args.redis_url, update))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"desired: {want['prefill']} prefill, {want['decode']} decode workers")
+    return 0
+
+
+def cmd_down(args: argparse.Namespace) -> int:
+    from services.launcher.up import set_desired
+
+    try:
+        asyncio.run(set_desired(args.redis_url, {"down": True}))
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print("asked the stack to shut down")
     return 0
 
 
@@ -210,6 +262,36 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(worker, ServerConfig)
         add_arguments(worker, WorkerConfig)
         worker.set_defaults(func=cmd_worker, role=role)
+
+    router = sub.add_parser("router", help="the router: the public API in front of prefill "
+                            "and decode pools registered in Redis")
+    add_arguments(router, RouterConfig)
+    add_arguments(router, ServerConfig)
+    router.set_defaults(func=cmd_router)
+
+    from services.launcher.up import LauncherConfig
+
+    up = sub.add_parser("up", help="start the router, prefill and decode pools on Ray (and "
+                        "redis-server when no --redis-url is given); stops on Ctrl-C or "
+                        "`pdserve down`")
+    add_arguments(up, LauncherConfig)
+    add_arguments(up, RouterConfig)
+    add_arguments(up, EngineConfig)
+    add_arguments(up, WorkerConfig, exclude=("redis_url", "worker_id"))
+    add_arguments(up, ServerConfig)
+    up.set_defaults(func=cmd_up)
+
+    scale = sub.add_parser("scale", help="change the pool sizes of a running `pdserve up`")
+    scale.add_argument("--prefill", type=int, default=None, help="prefill workers")
+    scale.add_argument("--decode", type=int, default=None, help="decode workers")
+    scale.add_argument("--redis-url", default="", help="the stack's Redis; default: the "
+                       "local stack's")
+    scale.set_defaults(func=cmd_scale)
+
+    down = sub.add_parser("down", help="stop a running `pdserve up`")
+    down.add_argument("--redis-url", default="", help="the stack's Redis; default: the "
+                      "local stack's")
+    down.set_defaults(func=cmd_down)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server")
     gen.add_argument("prompt", help="the prompt text")

@@ -36,11 +36,14 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
-def add_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings]) -> None:
-    """Add one flag per settings field. Flags default to "not given" so that only what
-    the user typed overrides the environment."""
+def add_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings],
+                  exclude: tuple[str, ...] = ()) -> None:
+    """Add one flag per settings field (but `exclude`). Flags default to "not given" so
+    that only what the user typed overrides the environment."""
     group = parser.add_argument_group(f"{model.__name__} (env prefix PDSERVE_)")
     for name, field in model.model_fields.items():
+        if name in exclude:
+            continue
         base = _base_type(field.annotation)
         default = field.get_default(call_default_factory=True)
         help_text = f"{field.description or ''} [env {env_name(model, name)}; default {default!r}]"

@@ -11,6 +11,7 @@ import os
 import socket
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -135,7 +136,7 @@ class Worker:
         address = f"{host}:{kv_port}" if role == "decode" else ""
         return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address)
 
-    def record(self, address: str) -> WorkerRecord:
+    def record(self, address: str, metrics_port: int = 0) -> WorkerRecord:
         """This worker as the registry shows it, with its current load."""
         facts = self.engine.facts
         llm = self.engine.llm
@@ -144,6 +145,7 @@ class Worker:
             host=socket.gethostname(), epoch=self.identity.epoch,
             fingerprint=self.fingerprint.digest(), kv_address=self.kv_address,
             kv_transport=self.config.kv_transport if self.identity.role == "decode" else "",
+            metrics_port=metrics_port,
             capacity=self.engine.config.max_num_seqs, model=facts.name,
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
@@ -164,7 +166,8 @@ class Worker:
 
 
 async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerConfig,
-                     config: WorkerConfig) -> None:
+                     config: WorkerConfig, on_ready: Callable[[int], None] | None = None
+                     ) -> None:
     from services.decode.servicer import decode_service
     from services.prefill.servicer import prefill_service
 
@@ -178,11 +181,14 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
     tasks: list[asyncio.Task[None]] = []
 
     def register(port: int) -> None:
+        if on_ready is not None:
+            on_ready(port)
         if registry is None:
             return
         host = config.advertise_host or local_host(server_cfg.host)
         tasks.append(asyncio.create_task(heartbeat_forever(
-            registry, lambda: worker.record(f"{host}:{port}"), config.heartbeat_s)))
+            registry, lambda: worker.record(f"{host}:{port}", server_cfg.bound_metrics_port),
+            config.heartbeat_s)))
 
     try:
         await serve(server_cfg, [service], banner, on_ready=register)

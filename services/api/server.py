@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pydantic import Field
+from pydantic import Field, PrivateAttr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.v1 import generate_pb2 as pb
@@ -34,12 +34,22 @@ class ServerConfig(BaseSettings):
     host: str = Field("0.0.0.0", description="address the gRPC API binds to")
     port: int = Field(50051, ge=0, le=65535, description="gRPC API port (0 = any free port)")
     metrics_port: int = Field(
-        9400, ge=0, le=65535, description="Prometheus /metrics port (0 = off)"
+        9400, ge=-1, le=65535, description="Prometheus /metrics port (0 = off, -1 = any free "
+        "port, published in the registry)"
     )
     max_message_bytes: int = Field(
         64 << 20, ge=4 << 20, description="largest gRPC message accepted or sent"
     )
     grace_s: float = Field(10.0, ge=0, description="seconds running streams get on shutdown")
+    http_port: int = Field(
+        0, ge=0, le=65535, description="OpenAI-compatible HTTP API port (0 = off)"
+    )
+    # Set by serve(): the metrics port actually bound (not a setting).
+    _bound_metrics_port: int = PrivateAttr(0)
+
+    @property
+    def bound_metrics_port(self) -> int:
+        return self._bound_metrics_port
 
 
 def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -58,13 +68,17 @@ def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
     ]
 
 
-def start_metrics(port: int) -> None:
-    """Serve the process's Prometheus registry (vLLM's `vllm:*` metrics live there)."""
-    if port:
-        from prometheus_client import start_http_server
+def start_metrics(port: int) -> int:
+    """Serve the process's Prometheus registry (vLLM's `vllm:*` metrics live there);
+    returns the port bound (0 when off)."""
+    if not port:
+        return 0
+    from prometheus_client import start_http_server
 
-        start_http_server(port)
-        log.info("metrics on :%d/metrics", port)
+    httpd, _ = start_http_server(max(port, 0))
+    bound = int(httpd.server_port)
+    log.info("metrics on :%d/metrics", bound)
+    return bound
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,9 +101,12 @@ async def serve(
     banner: str,
     on_ready: Callable[[int], None] | None = None,
     stop: asyncio.Event | None = None,
+    *,
+    http_backend: Backend | None = None,
 ) -> None:
     """Serve `services` plus health and reflection until SIGTERM/SIGINT (or `stop` is
-    set), then drain gracefully."""
+    set), then drain gracefully. With `config.http_port` and `http_backend`, the
+    OpenAI-compatible HTTP API serves that backend too, in this event loop."""
     server = grpc.aio.server(options=grpc_options(config.max_message_bytes))
     for service in services:
         service.register(server)
@@ -100,7 +117,13 @@ async def serve(
                                         server)
     port = server.add_insecure_port(f"{config.host}:{config.port}")
     await server.start()
-    start_metrics(config.metrics_port)
+    http = None
+    if config.http_port and http_backend is not None:
+        from services.api.openai_http import HttpServer
+
+        http = HttpServer(http_backend, config.host, config.http_port, config.grace_s)
+        await http.start()
+    config._bound_metrics_port = start_metrics(config.metrics_port)
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s on %s:%d", banner, config.host, port)
@@ -110,10 +133,11 @@ async def serve(
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
-        with contextlib.suppress(NotImplementedError, RuntimeError):
+        # Not in the main thread (a Ray actor's loop): the host process handles signals.
+        with contextlib.suppress(NotImplementedError, RuntimeError, ValueError):
             loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: draining for up to %.0f s", config.grace_s)
     # NOT_SERVING first, so load balancers stop sending new work while streams finish.
     await health_servicer.enter_graceful_shutdown()
-    await server.stop(config.grace_s)
+    await asyncio.gather(server.stop(config.grace_s), *([http.stop()] if http else []))

@@ -27,6 +27,7 @@ class WorkerRecord:
     fingerprint: str  # KV layout digest
     kv_address: str = ""  # decode: where KV transfers are received
     kv_transport: str = ""
+    metrics_port: int = 0  # Prometheus port on `host` of the address (0 = none)
     capacity: int = 64  # most running sequences (max_num_seqs)
     model: str = ""  # served model name
     max_model_len: int = 0

@@ -32,5 +32,5 @@ class RouterConfig(BaseSettings):
                                 "RESOURCE_EXHAUSTED")
     refresh_s: float = Field(0.5, gt=0, description="router: how often the worker view is "
                              "re-read from Redis")
-    block_size: int = Field(128, ge=1, description="router: KV block size used for prefix "
-                            "hashing (the engines' block size)")
+    prefix_block_size: int = Field(128, ge=1, description="router: block size of prefix "
+                                   "hashing (best: the engines' KV block size)")

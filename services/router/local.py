@@ -50,11 +50,12 @@ def settings_env(settings: BaseSettings) -> dict[str, str]:
     return env
 
 
-def split_cores(args: argparse.Namespace) -> tuple[str, str]:
+def split_cores(prefill_cores: str = "", decode_cores: str = "") -> tuple[str, str]:
+    """Cores for the prefill and decode roles: as given, else the two halves."""
     cores = available_cores()
     half = max(1, len(cores) // 2)
-    prefill = args.prefill_cores or format_cores(cores[:half])
-    decode = args.decode_cores or format_cores(cores[half:] or cores)
+    prefill = prefill_cores or format_cores(cores[:half])
+    decode = decode_cores or format_cores(cores[half:] or cores)
     return prefill, decode
 
 
@@ -102,7 +103,7 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
 
     worker_cfg = from_arguments(WorkerConfig, args)
     model_path = resolve_model(engine_cfg.model, engine_cfg.resolved_dtype())
-    prefill_cores, decode_cores = split_cores(args)
+    prefill_cores, decode_cores = split_cores(args.prefill_cores, args.decode_cores)
     base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg)}
     workers = [
         LocalWorker(role, getattr(args, f"{role}_port") or free_port(),
@@ -117,7 +118,8 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
         await asyncio.gather(*(wait_healthy(w) for w in workers))
         await backend.connect(workers[0].target, workers[1].target)
         await serve(server_cfg, [generation_service(backend)],
-                    f"pdserve (disaggregated) serving {backend.facts.name}")
+                    f"pdserve (disaggregated) serving {backend.facts.name}",
+                    http_backend=backend)
     finally:
         await backend.close()
         for w in workers:

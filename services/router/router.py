@@ -132,7 +132,7 @@ class RouterBackend:
         hits: dict[str, int] = {}
         if hashes:
             try:
-                hits = await self.registry.prefix_hits(hashes, self.config.block_size)
+                hits = await self.registry.prefix_hits(hashes, self.config.prefix_block_size)
             except Exception as e:  # the index is an optimization: route without it
                 log.warning("prefix lookup failed: %s", e)
         choice = self.policy.choose(prefills, decodes, RouteInput(len(req.prompt_token_ids),
@@ -152,7 +152,7 @@ class RouterBackend:
         self.inflight += 1
         INFLIGHT.set(self.inflight)
         started = time.monotonic()
-        hashes = block_hashes(req.prompt_token_ids, self.config.block_size)
+        hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
         try:
             choice = await self._choose(req, hashes)
             PAIR_CHOICES.labels(choice.reason).inc()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from services.api.server import ServerConfig, generation_service, serve
 from services.engine.model import resolve_model
@@ -13,7 +14,8 @@ from services.router.router import RouterBackend
 log = logging.getLogger(__name__)
 
 
-async def run_router(server_cfg: ServerConfig, config: RouterConfig) -> None:
+async def run_router(server_cfg: ServerConfig, config: RouterConfig,
+                     on_ready: Callable[[int], None] | None = None) -> None:
     from transformers import AutoTokenizer
 
     if not config.redis_url:
@@ -27,7 +29,8 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig) -> None:
         log.info("waiting for workers to register in %s", config.redis_url)
         await backend.start()
         await serve(server_cfg, [generation_service(backend)],
-                    f"pdserve router ({config.policy}) serving {backend.facts.name}")
+                    f"pdserve router ({config.policy}) serving {backend.facts.name}",
+                    on_ready=on_ready)
     finally:
         await backend.close()
         await registry.close()

@@ -29,6 +29,8 @@ class ServerProcess:
     log_path: Path
     port: int = field(default_factory=free_port)
     metrics_port: int = field(default_factory=free_port)
+    # Every test server also serves the OpenAI-compatible HTTP API (0 = off).
+    http_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -36,10 +38,15 @@ class ServerProcess:
     def target(self) -> str:
         return f"127.0.0.1:{self.port}"
 
+    @property
+    def base_url(self) -> str:
+        """The OpenAI-compatible API's base URL (with `/v1`, as the openai client wants)."""
+        return f"http://127.0.0.1:{self.http_port}/v1"
+
     def start(self) -> None:
         cmd = [sys.executable, "-m", "services.cli", "serve", *self.args,
                "--host", "127.0.0.1", "--port", str(self.port),
-               "--metrics-port", str(self.metrics_port)]
+               "--metrics-port", str(self.metrics_port), "--http-port", str(self.http_port)]
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                                      start_new_session=True, env={**os.environ, **self.env})

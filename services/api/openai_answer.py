@@ -1,0 +1,158 @@
+"""One answer in OpenAI's response format, built from the backend's deltas: the streamed
+chunks, or the whole response, of `/v1/completions` and `/v1/chat/completions`, with
+usage, logprobs and pdserve's timing anatomy as an extension field (`pdserve`)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from services.api.backend import Delta, TokenLogprob
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+MIN_LOGPROB = -9999.0  # what OpenAI and vLLM send for -inf (JSON has no infinities)
+
+
+def _lp(value: float) -> float:
+    return value if value > MIN_LOGPROB else MIN_LOGPROB  # also maps NaN
+
+
+@dataclass
+class Answer:
+    """The answer to one request. `add` each delta in order; it returns the choice to
+    stream for that delta, and `response` gives the non-streaming body at the end."""
+
+    chat: bool
+    request_id: str
+    model: str
+    started: float  # time.monotonic() when the request arrived
+    prompt_tokens: int
+    tokenizer: PreTrainedTokenizerBase
+    top_logprobs: int | None = None  # logprobs asked for; None: not asked
+    created: int = field(default_factory=lambda: int(time.time()))
+    texts: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    ttft_s: float = 0.0
+    e2e_s: float = 0.0
+    server_timings: dict[str, float] = field(default_factory=dict)
+    logprob_parts: list[dict[str, Any]] = field(default_factory=list)
+    text_offset: int = 0  # completions' logprobs count characters from the answer's start
+    _token_text: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def id(self) -> str:
+        return f"{'chatcmpl' if self.chat else 'cmpl'}-{self.request_id}"
+
+    def chunk(self, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
+    def role_choice(self) -> dict[str, Any]:
+        """A chat stream's first choice: the assistant's role, no content yet."""
+        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                "finish_reason": None}
+
+    def add(self, delta: Delta) -> dict[str, Any]:
+        if delta.token_ids and not self.completion_tokens:
+            self.ttft_s = time.monotonic() - self.started
+        self.completion_tokens += len(delta.token_ids)
+        self.texts.append(delta.text)
+        logprobs = None
+        if self.top_logprobs is not None and delta.logprobs:
+            logprobs = self._logprobs(delta.logprobs)
+            self.logprob_parts.append(logprobs)
+        if delta.finished:
+            self.e2e_s = time.monotonic() - self.started
+            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
+            self.cached_tokens = delta.num_cached_tokens
+            self.server_timings = dict(delta.timings)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["delta"] = {"content": delta.text} if delta.text else {}
+        else:
+            choice["text"] = delta.text
+        choice.update(logprobs=logprobs, finish_reason=self.finish_reason,
+                      stop_reason=self.stop_reason)
+        return choice
+
+    async def collect(self, deltas: AsyncIterator[Delta]) -> None:
+        async for delta in deltas:
+            self.add(delta)
+
+    def usage(self) -> dict[str, Any]:
+        return {"prompt_tokens": self.prompt_tokens,
+                "completion_tokens": self.completion_tokens,
+                "total_tokens": self.prompt_tokens + self.completion_tokens,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def timings(self) -> dict[str, float]:
+        """Server-side anatomy in seconds, named as in the gRPC API's Timings message."""
+        t = {**self.server_timings, "ttft_s": self.ttft_s, "e2e_s": self.e2e_s}
+        return {k: int(v) if k.endswith("_bytes") else round(v, 6)
+                for k, v in t.items() if math.isfinite(v)}
+
+    def extension(self) -> dict[str, Any]:
+        return {"timings": self.timings()}
+
+    def response(self) -> dict[str, Any]:
+        """The non-streaming body."""
+        text = "".join(self.texts)
+        choice: dict[str, Any] = {"index": 0}
+        if self.chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        choice.update(logprobs=self._merged_logprobs(), finish_reason=self.finish_reason,
+                      stop_reason=self.stop_reason)
+        kind = "chat.completion" if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": [choice], "usage": self.usage(), "pdserve": self.extension()}
+
+    # -- logprobs -------------------------------------------------------------------------
+    def _text(self, token_id: int) -> str:
+        if token_id not in self._token_text:
+            self._token_text[token_id] = str(self.tokenizer.decode([token_id]))
+        return self._token_text[token_id]
+
+    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
+        if self.chat:  # OpenAI: top_logprobs lists exactly the k most likely tokens
+            k = self.top_logprobs or 0
+            return {"content": [
+                {**self._entry(lp.token_id, lp.logprob),
+                 "top_logprobs": [self._entry(t, v) for t, v in lp.top[:k]]}
+                for lp in items]}
+        # Completions (as vLLM): the chosen token with the k most likely, offsets in text.
+        part: dict[str, list[Any]] = {"text_offset": [], "token_logprobs": [], "tokens": [],
+                                      "top_logprobs": []}
+        for lp in items:
+            token = self._text(lp.token_id)
+            part["text_offset"].append(self.text_offset)
+            part["token_logprobs"].append(_lp(lp.logprob))
+            part["tokens"].append(token)
+            part["top_logprobs"].append(
+                {self._text(lp.token_id): _lp(lp.logprob)}
+                | {self._text(t): _lp(v) for t, v in lp.top})
+            self.text_offset += len(token)
+        return part
+
+    def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
+        token = self._text(token_id)
+        return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
+
+    def _merged_logprobs(self) -> dict[str, Any] | None:
+        if not self.logprob_parts:
+            return None
+        merged: dict[str, list[Any]] = {}
+        for part in self.logprob_parts:
+            for key, values in part.items():
+                merged.setdefault(key, []).extend(values)
+        return merged

@@ -1,0 +1,301 @@
+"""The OpenAI-compatible HTTP front: `/v1/completions` and `/v1/chat/completions`
+(streaming SSE and not), `/v1/models`, `/health` and `/metrics`, for clients and tools
+written against `vllm serve`.
+
+A request takes the same path as a gRPC one: the body becomes a `GenerateRequest`
+(`openai_schema`), `prepare` validates and renders it, and the `Backend`'s deltas become
+OpenAI chunks (`openai_answer`). The front never knows whether the backend is one engine
+or a prefill/decode pair. When the client goes away, the backend's stream is cancelled,
+which aborts the request in the engine (or on the workers).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import math
+import socket
+import time
+import uuid
+from collections.abc import AsyncGenerator, Awaitable, Generator
+from typing import Any, TypeVar
+
+import grpc
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
+from starlette.types import Receive, Scope, Send
+
+from services.api.backend import Backend, Delta, GenerationRequest
+from services.api.openai_answer import Answer
+from services.api.openai_schema import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    chat_request,
+    completion_request,
+    error_body,
+    openai_error,
+)
+from services.api.prepare import limits_of, prepare
+from services.api.validation import RequestError
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+RETRY_AFTER_S = 1  # no load estimate exists yet: ask overloaded clients to back off 1 s
+
+
+def error_response(err: RequestError, chat: bool) -> JSONResponse:
+    status, body = openai_error(err, chat)
+    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+def backend_failure(e: Exception, request_id: str) -> RequestError:
+    """An exception from the backend as the status the gRPC servicer answers with."""
+    name = type(e).__name__
+    if name in ("ValueError", "VLLMValidationError"):  # vLLM refused a parameter
+        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+    if name == "EngineDeadError":
+        log.error("engine died serving %s: %s", request_id, e)
+        return RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
+    log.exception("request %s failed", request_id)
+    return RequestError(grpc.StatusCode.INTERNAL, f"internal error: {name}: {e}")
+
+
+async def deltas_of(backend: Backend, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
+    """The backend's deltas up to the finished one; every failure is a RequestError.
+    Closing this generator closes the backend's stream, which aborts the request."""
+    stream = backend.generate(req)
+    try:
+        async for delta in stream:
+            yield delta
+            if delta.finished:
+                return
+    except RequestError:
+        raise
+    except Exception as e:
+        raise backend_failure(e, req.request_id) from e
+    finally:
+        aclose = getattr(stream, "aclose", None)
+        if aclose is not None:
+            await aclose()
+    raise RequestError(grpc.StatusCode.ABORTED, "the request was aborted by the server")
+
+
+async def _wait_disconnect(receive: Receive) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+async def until_disconnect(receive: Receive, work: Awaitable[T]) -> tuple[bool, T | None]:
+    """Run `work` until it ends or the client disconnects, which cancels it (and so aborts
+    the request). Returns (finished, result). uvicorn never cancels a handler itself."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+    return (False, None) if task.cancelled() else (True, task.result())
+
+
+def sse(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, separators=(',', ':'))}\n\n"
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose status waits for the first event, so a request refused
+    before its first token (overload, no worker) gets a real HTTP status rather than a
+    200 with an error event; a client that goes away stops the stream."""
+
+    def __init__(self, events: AsyncGenerator[str, None], chat: bool,
+                 headers: dict[str, str]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", **headers})
+        self.events, self.chat = events, chat
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await until_disconnect(receive, self._send_all(scope, receive, send))
+        finally:
+            await self.events.aclose()
+
+    async def _send_all(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            first = await anext(self.events)
+        except RequestError as e:
+            await error_response(e, self.chat)(scope, receive, send)
+            return
+        await send({"type": "http.response.start", "status": self.status_code,
+                    "headers": self.raw_headers})
+        await send({"type": "http.response.body", "body": first.encode(), "more_body": True})
+        async for event in self.events:
+            await send({"type": "http.response.body", "body": event.encode(),
+                        "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
+                        include_usage: bool) -> AsyncGenerator[str, None]:
+    """SSE events of one answer, ending with `data: [DONE]`. An error before the first
+    delta propagates (EventStream answers it with a status); later ones become an error
+    event, as in vLLM. Closing this generator closes `deltas`, aborting the request."""
+    started = False
+    try:
+        async for delta in deltas:
+            if not started and answer.chat:
+                yield sse(answer.chunk([answer.role_choice()]))
+            started = True
+            choice = answer.add(delta)
+            # The timing anatomy rides on the usage chunk, or else on the last chunk.
+            last = delta.finished and not include_usage
+            yield sse(answer.chunk([choice], **({"pdserve": answer.extension()} if last else {})))
+        if include_usage:
+            yield sse(answer.chunk([], usage=answer.usage(), pdserve=answer.extension()))
+    except RequestError as e:
+        if not started:
+            raise
+        yield sse(openai_error(e, answer.chat)[1])
+    finally:
+        await deltas.aclose()
+    yield "data: [DONE]\n\n"
+
+
+class OpenAIFront:
+    """The endpoints' logic over one backend."""
+
+    def __init__(self, backend: Backend) -> None:
+        self.backend = backend
+        self.limits = limits_of(backend.facts)
+        self.created = int(time.time())
+
+    async def generate(self, request: Request,
+                       body: CompletionRequest | ChatCompletionRequest) -> Response:
+        started, chat = time.monotonic(), isinstance(body, ChatCompletionRequest)
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        try:
+            public = (chat_request(body, request_id) if isinstance(body, ChatCompletionRequest)
+                      else completion_request(body, request_id))
+            req = prepare(public, request_id, self.limits, self.backend.tokenizer)
+        except RequestError as e:
+            return error_response(e, chat)
+        answer = Answer(chat=chat, request_id=request_id, model=self.limits.served_model,
+                        started=started, prompt_tokens=len(req.prompt_token_ids),
+                        tokenizer=self.backend.tokenizer,
+                        top_logprobs=public.sampling.logprobs
+                        if public.sampling.HasField("logprobs") else None)
+        deltas = deltas_of(self.backend, req)
+        headers = {"X-Request-Id": request_id}
+        if body.stream:
+            return EventStream(stream_events(answer, deltas, body.include_usage), chat, headers)
+        try:
+            finished, _ = await until_disconnect(request.receive, answer.collect(deltas))
+        except RequestError as e:
+            return error_response(e, chat)
+        finally:
+            await deltas.aclose()
+        if not finished:  # nobody is listening any more
+            return Response(status_code=499)
+        headers["x-pdserve-timings"] = json.dumps(answer.timings(), separators=(",", ":"))
+        return JSONResponse(answer.response(), headers=headers)
+
+    def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [{
+            "id": self.limits.served_model, "object": "model", "created": self.created,
+            "owned_by": "pdserve", "root": self.limits.served_model, "parent": None,
+            "max_model_len": self.limits.max_model_len,
+        }]}
+
+
+def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+    """Malformed bodies get 400 in OpenAI's shape (FastAPI's default is a 422)."""
+    errors = exc.errors() if isinstance(exc, RequestValidationError) else []
+    loc: tuple[Any, ...] = tuple(errors[0].get("loc", ())) if errors else ()
+    param = loc[1] if len(loc) > 1 and isinstance(loc[1], str) else None  # ("body", field)
+    detail = "; ".join(str(e.get("msg", "")) for e in errors[:3]) or "invalid request body"
+    return JSONResponse(error_body(400, f"{param or 'body'}: {detail}", param), status_code=400)
+
+
+def _http_error(_: Request, exc: Exception) -> JSONResponse:
+    status = exc.status_code if isinstance(exc, HTTPException) else 500
+    detail = exc.detail if isinstance(exc, HTTPException) else "internal error"
+    return JSONResponse(error_body(status, str(detail)), status_code=status)
+
+
+def create_app(backend: Backend) -> FastAPI:
+    """The OpenAI-compatible app over `backend` (which must be ready: its facts known)."""
+    from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
+
+    front = OpenAIFront(backend)
+    app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await front.generate(request, body)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await front.generate(request, body)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        return front.models()
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        # The process's registry: vLLM's own `vllm:*` metrics and pdserve's live there.
+        return Response(generate_latest(REGISTRY), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+class _EmbeddedServer(uvicorn.Server):
+    # The host process owns SIGTERM/SIGINT (it drains gRPC and HTTP together); uvicorn's
+    # own handlers would replace them and restore the defaults when it stops.
+    @contextlib.contextmanager
+    def capture_signals(self) -> Generator[None, None, None]:
+        yield
+
+
+class HttpServer:
+    """uvicorn serving `create_app(backend)` inside the running event loop."""
+
+    def __init__(self, backend: Backend, host: str, port: int, grace_s: float) -> None:
+        self.host, self.port = host, port
+        config = uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=math.ceil(grace_s))
+        self.server = _EmbeddedServer(config)
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Listen; a port already taken raises OSError here rather than exiting."""
+        family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
+        sock = socket.create_server((self.host.strip("[]"), self.port), family=family)
+        self._task = asyncio.create_task(self.server.serve(sockets=[sock]))
+        while not self.server.started:  # startup takes a few ms
+            if self._task.done():
+                self._task.result()
+                raise RuntimeError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.02)
+        log.info("OpenAI-compatible HTTP API on %s:%d", self.host, self.port)
+
+    async def stop(self) -> None:
+        """Stop accepting, let running requests finish (up to the grace time), stop."""
+        if self._task is not None:
+            self.server.should_exit = True
+            await self._task

@@ -1,0 +1,72 @@
+"""pdserve services inside Ray actors.
+
+Each actor builds its service in `__init__` (so a Ray restart after a crash rebuilds
+it: a new engine, a new restart epoch) and serves from the actor's event loop. Engines
+run in-process, so when Ray kills an actor's process group their vLLM children go too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any
+
+from services.api.server import ServerConfig
+from services.engine.config import EngineConfig
+from services.router.config import RouterConfig
+from services.workers import WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+class ServiceActor:
+    """One prefill worker, decode worker or router. Wrapped with `ray.remote` by the
+    launcher, which sets the per-role resources and restart policy."""
+
+    def __init__(self, role: str, server_cfg: ServerConfig, engine_cfg: EngineConfig | None,
+                 worker_cfg: WorkerConfig | None, router_cfg: RouterConfig | None) -> None:
+        logging.basicConfig(level=logging.INFO,
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        self.role = role
+        self.pid = os.getpid()
+        loop = asyncio.get_running_loop()
+        self._port: asyncio.Future[int] = loop.create_future()
+        self._task: asyncio.Task[Any]
+        if role in ("prefill", "decode"):
+            assert engine_cfg is not None and worker_cfg is not None
+            self._task = loop.create_task(self._worker(role, server_cfg, engine_cfg, worker_cfg))
+        else:
+            assert router_cfg is not None
+            self._task = loop.create_task(self._router(server_cfg, router_cfg))
+
+    def _ready(self, port: int) -> None:
+        if not self._port.done():
+            self._port.set_result(port)
+
+    async def _worker(self, role: str, server_cfg: ServerConfig, engine_cfg: EngineConfig,
+                      worker_cfg: WorkerConfig) -> None:
+        from services.workers import run_worker
+
+        await run_worker(role, engine_cfg, server_cfg, worker_cfg,  # type: ignore[arg-type]
+                         on_ready=self._ready)
+
+    async def _router(self, server_cfg: ServerConfig, router_cfg: RouterConfig) -> None:
+        from services.router.service import run_router
+
+        await run_router(server_cfg, router_cfg, on_ready=self._ready)
+
+    async def ready(self) -> dict[str, Any]:
+        """Wait until the service listens; its port and process id."""
+        done, _ = await asyncio.wait({self._port, self._task},
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if self._task in done and not self._port.done():
+            self._task.result()  # raises what stopped the service
+            raise RuntimeError(f"the {self.role} service stopped before it was ready")
+        return {"role": self.role, "port": self._port.result(), "pid": self.pid}
+
+    async def alive(self) -> bool:
+        if self._task.done():
+            self._task.result()
+            return False
+        return True

@@ -1,0 +1,609 @@
+"""KV transports end to end: real servers on 127.0.0.1, real gloo pair groups, senders in
+separate (spawned) processes where a process boundary matters.
+
+Every fault test ends by checking that the same receiver still completes a normal transfer.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from services.kv import frames
+from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
+from services.kv.frames import FrameKind
+from services.kv.transport import (
+    ReceiveState,
+    TransferOutcome,
+    TransferSpec,
+    TransportConfig,
+    make_receiver,
+    make_sender,
+    torch_dist,
+)
+from services.kv.transport.grpc_transport import PUSH, GrpcKVReceiver, channel_options
+
+pytestmark = pytest.mark.timeout(60)
+
+FP = LayoutFingerprint("smollm2-135m", "float32", 16, 4, 3, 64, "cpu:avx2:k-transposed", "0.1.0")
+RX_ID = PeerIdentity("decode-0", 11, FP)
+TX_ID = PeerIdentity("prefill-0", 4, FP)
+SHAPE = (2, 3, 16, 128)  # (blocks, kv heads, block size, 2 * head size)
+LAYERS = 4
+LAYER_BYTES = 2 * 3 * 16 * 128 * 4
+CFG = TransportConfig(chunk_bytes=16 << 10, stall_timeout_s=1.0, lease_s=5.0)
+KINDS = ["grpc", "torch"]
+
+
+def kv_layers(seed: int, n: int = LAYERS) -> list[torch.Tensor]:
+    """Arbitrary fp32 bit patterns (NaNs and denormals included): bit-exact or nothing."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        torch.randint(-(2**31), 2**31 - 1, SHAPE, generator=g, dtype=torch.int32).view(
+            torch.float32
+        )
+        for _ in range(n)
+    ]
+
+
+def spec_for(tid: str, **over: Any) -> TransferSpec:
+    base: dict[str, Any] = dict(
+        transfer_id=tid,
+        num_layers=LAYERS,
+        layer_shape=SHAPE,
+        dtype=torch.float32,
+        num_tokens=30,
+        receiver_epoch=RX_ID.epoch,
+        receiver_fingerprint=FP.digest(),
+    )
+    base.update(over)
+    return TransferSpec(**base)
+
+
+def same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(
+        torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b, strict=True)
+    )
+
+
+def wait_outcome(sender: Any, tid: str, timeout: float = 10.0) -> TransferOutcome:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for o in sender.poll_finished(wait_s=0.2):
+            if o.transfer_id == tid:
+                return o
+    raise AssertionError(f"no outcome for {tid}")
+
+
+def wait_state(rx: Any, tid: str, state: ReceiveState, timeout: float) -> float:
+    """Seconds until `tid` reached `state` (fails the test after `timeout`)."""
+    t0 = time.monotonic()
+    while rx.state(tid) is not state:
+        assert time.monotonic() - t0 < timeout, f"{tid}: {rx.state(tid)}, {rx.error(tid)}"
+        time.sleep(0.02)
+    return time.monotonic() - t0
+
+
+def send_all(sender: Any, address: str, tid: str, layers: list[torch.Tensor], **over: Any) -> None:
+    sender.begin(address, spec_for(tid, **over))
+    for i, t in enumerate(layers):
+        sender.send_layer(tid, i, t)
+    sender.end(tid)
+
+
+def assert_still_serves(rx: Any, kind: str = "grpc") -> None:
+    tx = make_sender(kind, TX_ID, CFG)
+    try:
+        layers = kv_layers(99)
+        send_all(tx, rx.address, "after-fault", layers)
+        assert wait_outcome(tx, "after-fault").ok
+        got = rx.take("after-fault")
+        assert got is not None and same_bits(got.layers, layers)
+    finally:
+        tx.close()
+
+
+@pytest.fixture(scope="module")
+def receivers() -> Iterator[dict[str, Any]]:
+    rxs = {kind: make_receiver(kind, RX_ID, CFG, "127.0.0.1", 0) for kind in KINDS}
+    yield rxs
+    for rx in rxs.values():
+        rx.close()
+
+
+@pytest.fixture(params=KINDS)
+def kind(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def rx(receivers: dict[str, Any], kind: str) -> Any:
+    return receivers[kind]
+
+
+@pytest.fixture
+def tx(kind: str) -> Iterator[Any]:
+    sender = make_sender(kind, TX_ID, CFG)
+    yield sender
+    sender.close()
+
+
+# -- senders in their own processes ------------------------------------------------------
+
+
+def sender_process(kind: str, address: str, conn: Any) -> None:
+    """A prefill-side process driven over a pipe; module-level so "spawn" can import it."""
+    torch.set_num_threads(1)
+    sender = make_sender(kind, TX_ID, CFG)
+    conn.send("ready")
+    while conn.recv() == "two-concurrent":
+        # Interleaved layers of two transfers, as a batch of two prompts produces them.
+        a, b = kv_layers(1), kv_layers(2)
+        sender.begin(address, spec_for("proc-a"))
+        sender.begin(address, spec_for("proc-b"))
+        for i in range(LAYERS):
+            sender.send_layer("proc-a", i, a[i])
+            sender.send_layer("proc-b", i, b[i])
+        sender.end("proc-b")
+        sender.end("proc-a")
+        outcomes: list[TransferOutcome] = []
+        while len(outcomes) < 2:
+            outcomes += sender.poll_finished(wait_s=1.0)
+        conn.send([(o.transfer_id, o.ok, o.error, o.nbytes) for o in outcomes])
+    # "die-midway": hand over half the layers, then wait to be killed
+    sender.begin(address, spec_for("proc-dies"))
+    for i, t in enumerate(kv_layers(3)[: LAYERS // 2]):
+        sender.send_layer("proc-dies", i, t)
+    conn.send("half sent")
+    time.sleep(60)
+
+
+@pytest.fixture(scope="module")
+def sender_procs(receivers: dict[str, Any]) -> Iterator[dict[str, tuple[Any, Any]]]:
+    """One sender process per transport, started together (imports take seconds here)."""
+    ctx = mp.get_context("spawn")
+    procs = {}
+    for kind in KINDS:
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(
+            target=sender_process, args=(kind, receivers[kind].address, child), daemon=True
+        )
+        proc.start()
+        procs[kind] = (proc, parent)
+    for _, conn in procs.values():
+        assert conn.poll(60) and conn.recv() == "ready"
+    yield procs
+    for proc, _ in procs.values():
+        proc.kill()
+        proc.join(5)
+
+
+def sender_proc(procs: dict[str, tuple[Any, Any]], kind: str) -> tuple[Any, Any]:
+    proc, conn = procs[kind]
+    if not proc.is_alive():
+        pytest.skip("this sender process was already killed by the kill test")
+    return proc, conn
+
+
+def test_two_concurrent_transfers_from_another_process_are_bit_exact(
+    rx: Any, kind: str, sender_procs: dict[str, tuple[Any, Any]]
+) -> None:
+    _, conn = sender_proc(sender_procs, kind)
+    conn.send("two-concurrent")
+    assert conn.poll(30), "sender process reported nothing"
+    results = sorted(conn.recv())
+    total = LAYERS * LAYER_BYTES
+    assert results == [("proc-a", True, None, total), ("proc-b", True, None, total)]
+    for tid, seed in (("proc-a", 1), ("proc-b", 2)):
+        got = rx.take(tid)
+        assert got is not None and got.nbytes == total
+        assert got.sender_worker_id == TX_ID.worker_id and got.first_byte_ts <= got.last_byte_ts
+        assert same_bits(got.layers, kv_layers(seed))
+        assert rx.take(tid) is None and rx.state(tid) is ReceiveState.UNKNOWN
+
+
+def test_sender_process_killed_midway_fails_within_stall_timeout(
+    rx: Any, kind: str, sender_procs: dict[str, tuple[Any, Any]]
+) -> None:
+    proc, conn = sender_proc(sender_procs, kind)
+    conn.send("die-midway")
+    assert conn.poll(30) and conn.recv() == "half sent"
+    wait_state(rx, "proc-dies", ReceiveState.RECEIVING, 10)
+    os.kill(proc.pid, signal.SIGKILL)
+    took = wait_state(rx, "proc-dies", ReceiveState.FAILED, CFG.stall_timeout_s + 1.0)
+    assert took <= CFG.stall_timeout_s + 0.5
+    assert rx.take("proc-dies") is None
+    proc.join(5)
+    assert_still_serves(rx, kind)
+
+
+# -- refusals ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("over", "sender_fp", "expected"),
+    [
+        (
+            {},
+            LayoutFingerprint(
+                "smollm2-135m", "float32", 128, 4, 3, 64, "cpu:avx2:k-transposed", "0.1.0"
+            ),
+            "block_size: 16 != 128",
+        ),
+        ({"receiver_epoch": 10}, FP, "stale receiver epoch: sender expects 10"),
+        ({"receiver_fingerprint": "0123456789abcdef"}, FP, "expects receiver layout 0123"),
+    ],
+    ids=["layout", "epoch", "digest"],
+)
+def test_incompatible_peer_is_refused(
+    rx: Any, kind: str, over: dict[str, Any], sender_fp: LayoutFingerprint, expected: str
+) -> None:
+    sender = make_sender(kind, PeerIdentity("prefill-x", 1, sender_fp), CFG)
+    try:
+        send_all(sender, rx.address, "refused", kv_layers(5), **over)
+        outcome = wait_outcome(sender, "refused")
+    finally:
+        sender.close()
+    assert not outcome.ok and outcome.nbytes == 0
+    assert "refused" in (outcome.error or "") and expected in (outcome.error or "")
+    assert rx.state("refused") is ReceiveState.UNKNOWN
+    assert_still_serves(rx, kind)
+
+
+# -- sender-side misuse, stalls, cancel, lease ----------------------------------------------
+
+
+def test_sender_rejects_wrong_tensors_without_raising(rx: Any, tx: Any, kind: str) -> None:
+    tx.begin(rx.address, spec_for("bad-shape"))
+    tx.send_layer("bad-shape", 0, torch.zeros(2, 3, 16, 64))
+    outcome = wait_outcome(tx, "bad-shape")
+    assert not outcome.ok and "spec says (2, 3, 16, 128)" in (outcome.error or "")
+    tx.send_layer("bad-shape", 1, kv_layers(1)[1])  # late calls are ignored
+    tx.begin(rx.address, spec_for("too-few"))
+    tx.send_layer("too-few", 0, kv_layers(1)[0])
+    tx.end("too-few")
+    outcome = wait_outcome(tx, "too-few")
+    assert not outcome.ok and "end() after 1 of 4 layers" in (outcome.error or "")
+    for tid in ("bad-shape", "too-few"):
+        state = wait_state_not_receiving(rx, tid)
+        assert state in (ReceiveState.UNKNOWN, ReceiveState.FAILED)
+    assert_still_serves(rx, kind)
+
+
+def wait_state_not_receiving(rx: Any, tid: str) -> ReceiveState:
+    deadline = time.monotonic() + CFG.stall_timeout_s + 1.0
+    while rx.state(tid) is ReceiveState.RECEIVING and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return rx.state(tid)
+
+
+def test_stalled_sender_fails_both_sides(rx: Any, tx: Any, kind: str) -> None:
+    tx.begin(rx.address, spec_for("stalls"))
+    tx.send_layer("stalls", 0, kv_layers(1)[0])
+    wait_state(rx, "stalls", ReceiveState.RECEIVING, 5)
+    took = wait_state(rx, "stalls", ReceiveState.FAILED, CFG.stall_timeout_s + 1.0)
+    assert took <= CFG.stall_timeout_s + 0.5
+    # Both ends time the stall; whichever fires first names it.
+    error = rx.error("stalls") or ""
+    assert "stalled: no data for 1.0s" in error or "no progress" in error, error
+    outcome = wait_outcome(tx, "stalls")
+    assert not outcome.ok and outcome.error
+    if kind == "torch":  # the receiver sends no ack for a stall: the sender's own timer ends it
+        assert "no progress for" in outcome.error and "waiting for layers" in outcome.error
+    assert_still_serves(rx, kind)
+
+
+def test_cancel_drops_the_transfer(rx: Any, tx: Any, kind: str) -> None:
+    tx.begin(rx.address, spec_for("cancelled"))
+    tx.send_layer("cancelled", 0, kv_layers(1)[0])
+    wait_state(rx, "cancelled", ReceiveState.RECEIVING, 5)
+    tx.cancel("cancelled")
+    outcome = wait_outcome(tx, "cancelled")
+    assert not outcome.ok and outcome.error == "cancelled by sender"
+    wait_state(rx, "cancelled", ReceiveState.FAILED, 2)
+    assert rx.take("cancelled") is None
+    assert_still_serves(rx, kind)
+
+
+def test_unreachable_receiver_is_an_outcome(tx: Any) -> None:
+    tx.begin("127.0.0.1:1", spec_for("nowhere"))
+    outcome = wait_outcome(tx, "nowhere")
+    assert not outcome.ok and outcome.error
+
+
+def test_untaken_transfer_expires_and_taken_one_is_gone() -> None:
+    lease = 1.5  # long enough to check state on a loaded machine, short enough to wait out
+    cfg = TransportConfig(chunk_bytes=16 << 10, stall_timeout_s=1.0, lease_s=lease)
+    rx = make_receiver("grpc", RX_ID, cfg, "127.0.0.1", 0)
+    tx = make_sender("grpc", TX_ID, cfg)
+    try:
+        assert isinstance(rx, GrpcKVReceiver)
+        send_all(tx, rx.address, "kept", kv_layers(7))
+        assert wait_outcome(tx, "kept").ok
+        t_kept = time.monotonic()
+        send_all(tx, rx.address, "taken", kv_layers(7))
+        assert wait_outcome(tx, "taken").ok
+        assert rx.state("kept") is ReceiveState.COMPLETE
+        assert rx.table.staged_bytes == 2 * LAYERS * LAYER_BYTES
+        assert rx.take("taken") is not None and rx.take("taken") is None
+        assert rx.state("taken") is ReceiveState.UNKNOWN
+        wait_state(rx, "kept", ReceiveState.UNKNOWN, lease + 2.0)
+        assert time.monotonic() - t_kept >= lease - 0.5  # not dropped early
+        assert rx.take("kept") is None and rx.table.staged_bytes == 0
+        rx.discard("nothing-here")  # harmless
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_released_staging_memory_is_reused(receivers: dict[str, Any]) -> None:
+    rx = receivers["grpc"]
+    tx = make_sender("grpc", TX_ID, CFG)
+    try:
+        send_all(tx, rx.address, "pooled-1", kv_layers(1))
+        assert wait_outcome(tx, "pooled-1").ok
+        first = rx.take("pooled-1")
+        assert first is not None and first.storage is not None
+        ptr = first.storage.data_ptr()
+        rx.release(first)
+        assert first.layers == [] and first.storage is None
+        send_all(tx, rx.address, "pooled-2", kv_layers(2))
+        assert wait_outcome(tx, "pooled-2").ok
+        second = rx.take("pooled-2")
+        assert second is not None and second.storage is not None
+        assert second.storage.data_ptr() == ptr and same_bits(second.layers, kv_layers(2))
+    finally:
+        tx.close()
+
+
+def test_discard_while_receiving(rx: Any, tx: Any, kind: str) -> None:
+    tx.begin(rx.address, spec_for("discarded"))
+    tx.send_layer("discarded", 0, kv_layers(1)[0])
+    wait_state(rx, "discarded", ReceiveState.RECEIVING, 5)
+    rx.discard("discarded")
+    assert rx.state("discarded") is ReceiveState.UNKNOWN
+    for i, t in enumerate(kv_layers(1)[1:], start=1):
+        tx.send_layer("discarded", i, t)
+    tx.end("discarded")
+    assert not wait_outcome(tx, "discarded").ok
+    assert rx.take("discarded") is None
+    assert_still_serves(rx, kind)
+
+
+# -- hostile or broken gRPC streams --------------------------------------------------------
+
+
+def data(layer: int, chunk: int, offset: int, payload: bytes) -> bytes:
+    return frames.encode_data(layer, chunk, offset, memoryview(payload))
+
+
+def header(tid: str, **over: Any) -> bytes:
+    return frames.encode_header(TX_ID, spec_for(tid, **over))
+
+
+def push_raw(address: str, stream: list[bytes]) -> grpc.RpcError | bytes:
+    with grpc.insecure_channel(address, options=channel_options(CFG)) as channel:
+        try:
+            reply: bytes = channel.stream_unary(PUSH)(iter(stream), timeout=10)
+            return reply
+        except grpc.RpcError as e:
+            return e
+
+
+def full_stream(tid: str) -> list[bytes]:
+    out = [header(tid)]
+    for layer, t in enumerate(kv_layers(8)):
+        view = frames.byte_view(t)
+        for idx, off, n in frames.chunk_ranges(len(view), CFG.chunk_bytes):
+            out.append(frames.encode_data(layer, idx, off, view[off : off + n]))
+    chunks = len(out) - 1
+    end = {"chunks": chunks, "nbytes": LAYERS * LAYER_BYTES}
+    return [*out, frames.encode_control(FrameKind.END, end)]
+
+
+CHUNK = b"\x01" * 1024
+
+
+def corrupt_crc(frame: bytes) -> bytes:
+    raw = bytearray(frame)
+    raw[frames.DATA_HEADER_BYTES - 1] ^= 0xFF  # last byte of the crc field
+    return bytes(raw)
+
+
+@pytest.mark.parametrize(
+    ("build", "code", "reason"),
+    [
+        (lambda s: [s[1], *s[2:]], grpc.StatusCode.INVALID_ARGUMENT, "DATA frame before any"),
+        (lambda s: [], grpc.StatusCode.INVALID_ARGUMENT, "empty stream"),
+        (lambda s: [b"\x07"], grpc.StatusCode.INVALID_ARGUMENT, "malformed frame"),
+        (lambda s: [s[0], s[1], corrupt_crc(s[2])], grpc.StatusCode.DATA_LOSS, "checksum"),
+        (lambda s: [s[0], s[2], s[1]], grpc.StatusCode.INVALID_ARGUMENT, "out-of-order chunk 1"),
+        (lambda s: [s[0], s[1], s[1]], grpc.StatusCode.INVALID_ARGUMENT, "duplicate chunk 0"),
+        (lambda s: [s[0], s[1], s[-1]], grpc.StatusCode.DATA_LOSS, "truncated: end after"),
+        (lambda s: s[:-1], grpc.StatusCode.DATA_LOSS, "stream ended before the end frame"),
+        (lambda s: [s[0], data(9, 0, 0, CHUNK)], grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+        (
+            lambda s: [s[0], data(0, 0, 0, b"\x00" * (LAYER_BYTES + 4))],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "wrong size",
+        ),
+        (lambda s: [s[0], data(0, 0, 8, CHUNK)], grpc.StatusCode.INVALID_ARGUMENT, "offset 8"),
+        (lambda s: [*s[:3], header("x")], grpc.StatusCode.INVALID_ARGUMENT, "unexpected HEADER"),
+        (
+            lambda s: [*s[:-1], frames.encode_control(FrameKind.END, {"chunks": 1, "nbytes": 1})],
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "end frame counts 1 chunks",
+        ),
+    ],
+    ids=[
+        "data-before-header",
+        "empty",
+        "garbage",
+        "bad-crc",
+        "out-of-order",
+        "duplicate",
+        "end-too-early",
+        "no-end-frame",
+        "unknown-layer",
+        "oversized-chunk",
+        "wrong-offset",
+        "second-header",
+        "end-counts-lie",
+    ],
+)
+def test_broken_grpc_streams_fail_with_a_reason(
+    receivers: dict[str, Any], build: Any, code: grpc.StatusCode, reason: str
+) -> None:
+    rx = receivers["grpc"]
+    tid = "hostile"
+    result = push_raw(rx.address, build(full_stream(tid)))
+    assert isinstance(result, grpc.RpcError), result
+    assert result.code() is code and reason in (result.details() or "")
+    if rx.state(tid) is not ReceiveState.UNKNOWN:  # the header was accepted
+        assert rx.state(tid) is ReceiveState.FAILED and reason in (rx.error(tid) or "")
+    assert rx.take(tid) is None
+    assert push_raw(rx.address, full_stream("clean")) == frames.encode_ack(
+        "clean", True, None, LAYERS * LAYER_BYTES
+    )
+    assert rx.take("clean") is not None
+    rx.discard(tid)
+
+
+def test_dropped_grpc_stream_fails_at_once(receivers: dict[str, Any]) -> None:
+    rx, gate = receivers["grpc"], threading.Event()
+    stream = full_stream("dropped")
+
+    def frames_then_hang() -> Iterator[bytes]:
+        yield from stream[:3]
+        gate.wait(10)
+
+    with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
+        fut = channel.stream_unary(PUSH).future(frames_then_hang())
+        wait_state(rx, "dropped", ReceiveState.RECEIVING, 5)
+        fut.cancel()
+        took = wait_state(rx, "dropped", ReceiveState.FAILED, 2)
+        gate.set()
+    error = rx.error("dropped") or ""
+    # gRPC reports a reset stream either as an error or as an early end, by timing.
+    assert took < 0.8 and ("stream dropped" in error or "vanished" in error), error
+    assert_still_serves(rx)
+
+
+# -- torch pair streams -----------------------------------------------------------------------
+
+
+def test_corrupted_payload_fails_and_the_sender_keeps_working(rx: Any, tx: Any) -> None:
+    tx.begin(rx.address, spec_for("corrupt"))
+    tx.corrupt_after_checksum("corrupt")
+    for i, t in enumerate(kv_layers(4)):
+        tx.send_layer("corrupt", i, t)
+    tx.end("corrupt")
+    outcome = wait_outcome(tx, "corrupt")
+    assert not outcome.ok and "checksum mismatch in" in (outcome.error or "")
+    assert rx.state("corrupt") is ReceiveState.FAILED and rx.take("corrupt") is None
+    assert "checksum mismatch" in (rx.error("corrupt") or "")
+    send_all(tx, rx.address, "after-corrupt", kv_layers(6))  # same sender (and torch pair)
+    assert wait_outcome(tx, "after-corrupt").ok
+    got = rx.take("after-corrupt")
+    assert got is not None and same_bits(got.layers, kv_layers(6))
+
+
+class RoguePair:
+    """A hand-driven pair (control stream + gloo group) that can send what it likes."""
+
+    def __init__(self, channel: grpc.Channel) -> None:
+        self.control: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        self.call = channel.stream_stream(torch_dist.PAIR)(iter(self.control.get, None))
+        hello = {"sender": TX_ID.to_dict(), "pair_id": "rogue", "receiver_host": "127.0.0.1"}
+        self.put(FrameKind.HELLO, {**hello, "device": "cpu"})
+        ready = frames.decode_frame(next(self.call))
+        assert isinstance(ready, frames.ControlFrame) and ready.kind is FrameKind.READY
+        store = torch.distributed.TCPStore("127.0.0.1", ready.body["store_port"])
+        prefixed = torch.distributed.PrefixStore(ready.body["prefix"], store)
+        self.pg = torch_dist.build_pair_group(prefixed, 0, "127.0.0.1", "cpu", 5.0)
+        self.tag = 0
+
+    def put(self, kind: FrameKind, body: dict[str, Any]) -> None:
+        self.control.put(frames.encode_control(kind, body))
+
+    def layer(self, tid: str, layer: int, flat: torch.Tensor, announced: int) -> None:
+        self.tag += 1
+        crc = torch_dist.payload_crc(flat)
+        body = {"transfer_id": tid, "layer": layer, "nbytes": announced, "crc": crc}
+        self.put(FrameKind.LAYER, {**body, "tag": self.tag})
+        self.pg.send([flat], 1, self.tag).wait()
+
+    def close(self) -> None:
+        self.control.put(None)
+        self.call.cancel()
+        self.pg.abort()
+
+
+def test_torch_wrong_layer_size_is_drained_not_fatal(receivers: dict[str, Any]) -> None:
+    """A LAYER frame whose size disagrees with the spec fails that transfer; the receiver
+    still takes the payload (gloo would kill it otherwise) and the pair keeps working."""
+    rx = receivers["torch"]
+    with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
+        rogue = RoguePair(channel)
+        try:
+            rogue.control.put(header("torch-wrong-size"))
+            wrong = torch.zeros(100, dtype=torch.uint8)
+            rogue.layer("torch-wrong-size", 0, wrong, announced=100)
+            tid, ok, error, _ = frames.decode_ack(next(rogue.call))
+            assert (tid, ok) == ("torch-wrong-size", False) and "wrong size" in (error or "")
+            rogue.layer("torch-wrong-size", 1, wrong, announced=100)  # drained
+            good = kv_layers(12)
+            rogue.control.put(header("torch-after-drain"))
+            for i, t in enumerate(good):
+                flat = t.reshape(-1).view(torch.uint8)
+                rogue.layer("torch-after-drain", i, flat, announced=flat.numel())
+            end = {"chunks": LAYERS, "nbytes": LAYERS * LAYER_BYTES}
+            rogue.put(FrameKind.END, {"transfer_id": "torch-after-drain", **end})
+            assert frames.decode_ack(next(rogue.call))[:2] == ("torch-after-drain", True)
+        finally:
+            rogue.close()
+    got = rx.take("torch-after-drain")
+    assert got is not None and same_bits(got.layers, good)
+    assert rx.state("torch-wrong-size") is ReceiveState.FAILED
+    assert_still_serves(rx, "torch")
+
+
+def test_torch_unknown_and_duplicate_layers(receivers: dict[str, Any]) -> None:
+    rx, layer = receivers["torch"], kv_layers(13)[0].reshape(-1).view(torch.uint8)
+    with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
+        rogue = RoguePair(channel)
+        try:
+            rogue.layer("never-announced", 0, layer, announced=layer.numel())  # drained
+            rogue.control.put(header("torch-dup"))
+            rogue.layer("torch-dup", 0, layer, announced=layer.numel())
+            rogue.layer("torch-dup", 0, layer, announced=layer.numel())
+            tid, ok, error, _ = frames.decode_ack(next(rogue.call))
+            assert (tid, ok, error) == ("torch-dup", False, "duplicate layer 0")
+        finally:
+            rogue.close()
+    assert rx.state("torch-dup") is ReceiveState.FAILED
+    assert rx.state("never-announced") is ReceiveState.UNKNOWN
+    assert_still_serves(rx, "torch")
+
+
+def test_torch_sender_reuses_its_pair(receivers: dict[str, Any]) -> None:
+    rx = receivers["torch"]
+    tx = make_sender("torch", TX_ID, CFG)
+    try:
+        for tid in ("reuse-1", "reuse-2"):
+            send_all(tx, rx.address, tid, kv_layers(3))
+            assert wait_outcome(tx, tid).ok
+            assert rx.take(tid) is not None
+        assert len(tx._pairs) == 1
+    finally:
+        tx.close()
