@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 PROTOS := $(wildcard proto/pdserve/v1/*.proto)
 
-.PHONY: help setup proto model run test test-unit lint bench clean
+.PHONY: help setup redis proto model run test test-unit lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,7 +29,13 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	$(PY) -c "import vllm, grpc, pdserve.v1.generate_pb2"
 	touch $@
 
-setup: $(VENV)/.installed model  ## virtual env with pinned deps, and the default model
+setup: $(VENV)/.installed model redis  ## virtual env with pinned deps, the default model, redis-server
+
+redis:  ## make sure redis-server is installed (Debian's package; needs root or sudo)
+	@command -v redis-server >/dev/null 2>&1 || { \
+	  echo "installing redis-server (Debian package)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
 proto:  ## regenerate gRPC code (with .pyi stubs) from proto/
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto \
@@ -38,8 +44,8 @@ proto:  ## regenerate gRPC code (with .pyi stubs) from proto/
 model: $(VENV)/.installed  ## prepare the default model (cached; nothing downloaded from a hub)
 	$(VENV)/bin/pdserve model prepare
 
-run: setup  ## start a local server on the default model and stream an answer
-	$(VENV)/bin/pdserve demo --prompt "$(PROMPT)"
+run: setup  ## start the stack (Ray, Redis, router, prefill + decode) and stream an answer
+	$(VENV)/bin/pdserve demo --mode up --prompt "$(PROMPT)"
 
 test: setup  ## the whole test suite (starts real vLLM engines, redis-server, gRPC servers)
 	$(PY) -m pytest tests

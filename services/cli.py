@@ -315,8 +315,9 @@ def build_parser() -> argparse.ArgumentParser:
         "demo", help="start a local server on the default model, stream one answer, stop"
     )
     demo.add_argument("--prompt", default="What is the capital of France?", help="question")
-    demo.add_argument("--mode", choices=["colocated", "disagg"], default="colocated",
-                      help="serving mode of the local server")
+    demo.add_argument("--mode", choices=["up", "disagg", "colocated"], default="up",
+                      help="up: router + prefill and decode workers on Ray with Redis; "
+                      "disagg: one local pair without Ray; colocated: one vLLM engine")
     demo.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one)")
     demo.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     demo.set_defaults(func=cmd_demo)

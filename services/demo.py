@@ -58,8 +58,11 @@ def run_demo(args: argparse.Namespace) -> int:
     log = tempfile.NamedTemporaryFile(  # noqa: SIM115
         prefix="pdserve-demo-", suffix=".log", delete=False
     )
-    cmd = [sys.executable, "-m", "services.cli", "serve", "--mode", args.mode,
-           "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
+    if args.mode == "up":  # the full stack: Ray, redis-server, router and one pair
+        cmd = [sys.executable, "-m", "services.cli", "up", "--prefill", "1", "--decode", "1"]
+    else:
+        cmd = [sys.executable, "-m", "services.cli", "serve", "--mode", args.mode]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
     server = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,
                               start_new_session=True, env=os.environ.copy())
     try:
@@ -73,3 +76,4 @@ def run_demo(args: argparse.Namespace) -> int:
                 server.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
+        print(f"(server log: {log.name})", file=sys.stderr)

@@ -149,6 +149,7 @@ class Worker:
             capacity=self.engine.config.max_num_seqs, model=facts.name,
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
+            pid=os.getpid(),
         )
 
     def info(self) -> wpb.WorkerInfo:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from services.registry.redis_server import RedisServer
 from tests.helpers.prompts import TEXT_PROMPTS
 from tests.helpers.servers import DisaggStack, ServerProcess
 
@@ -98,3 +99,11 @@ async def disagg_grpc(model_path: Path, session_dir: Path) -> AsyncIterator[Disa
 async def disagg_torch(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
     async for stack in start_disagg(session_dir, "torch"):
         yield stack
+
+
+@pytest.fixture(scope="module")
+def redis() -> Iterator[RedisServer]:
+    """A real redis-server on a free loopback port, for one test module."""
+    server = RedisServer().start()
+    yield server
+    server.stop()

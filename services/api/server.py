@@ -31,7 +31,7 @@ class ServerConfig(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
 
-    host: str = Field("0.0.0.0", description="address the gRPC API binds to")
+    host: str = Field("0.0.0.0", description="address the gRPC and HTTP APIs bind to")
     port: int = Field(50051, ge=0, le=65535, description="gRPC API port (0 = any free port)")
     metrics_port: int = Field(
         9400, ge=-1, le=65535, description="Prometheus /metrics port (0 = off, -1 = any free "

@@ -35,6 +35,7 @@ class WorkerRecord:
     dtype: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated: float = 0.0  # time.time() of the last heartbeat
+    pid: int = 0  # the serving process, for operators (and failure drills)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -45,6 +45,10 @@ DISAGG = Counter("pdserve_router_disaggregation_decisions",
 REJECTIONS = Counter("pdserve_router_rejections", "requests refused at admission", ["reason"])
 TTFT = Histogram("pdserve_router_time_to_first_token_seconds", "router-side TTFT",
                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40))
+WORKER_REQUESTS = Counter("pdserve_router_worker_requests", "requests sent to each worker",
+                          ["worker", "role"])
+RETRIES = Counter("pdserve_router_retries", "requests re-routed after a worker failed before "
+                  "their first token")
 E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side request latency",
                 buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
 
@@ -65,6 +69,9 @@ class RouterBackend:
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._facts: ModelFacts | None = None
         self._refresher: asyncio.Task[None] | None = None
+        # Workers that just failed a call: skipped until their record expires or they
+        # answer heartbeats again with a new epoch (a few seconds).
+        self._suspects: dict[str, float] = {}
 
     # -- the worker view --------------------------------------------------------------
     async def start(self, wait_for_workers_s: float = 600.0) -> None:
@@ -124,9 +131,13 @@ class RouterBackend:
                             f"{message}; retry in {self.config.retry_after_ms} ms",
                             retry_after_ms=self.config.retry_after_ms)
 
+    def _live(self, role: str) -> list[WorkerRecord]:
+        now = time.monotonic()
+        return [w for w in self._view if w.role == role
+                and self._suspects.get(w.worker_id, 0.0) < now]
+
     async def _choose(self, req: GenerationRequest, hashes: list[str]) -> Choice:
-        prefills = [w for w in self._view if w.role == "prefill"]
-        decodes = [w for w in self._view if w.role == "decode"]
+        prefills, decodes = self._live("prefill"), self._live("decode")
         if not decodes:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
         hits: dict[str, int] = {}
@@ -154,11 +165,26 @@ class RouterBackend:
         started = time.monotonic()
         hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
         try:
-            choice = await self._choose(req, hashes)
-            PAIR_CHOICES.labels(choice.reason).inc()
-            DISAGG.labels("remote" if choice.prefill else "local").inc()
-            async for delta in self._run(req, choice, hashes, started):
-                yield delta
+            for attempt in range(2):
+                choice = await self._choose(req, hashes)
+                PAIR_CHOICES.labels(choice.reason).inc()
+                DISAGG.labels("remote" if choice.prefill else "local").inc()
+                streamed = False
+                try:
+                    async for delta in self._run(req, choice, hashes, started):
+                        streamed = True
+                        yield delta
+                    return
+                except RequestError as e:
+                    # A worker that vanished before the first token: nothing reached the
+                    # client yet, so route again (once) around it.
+                    if streamed or attempt or e.code != grpc.StatusCode.UNAVAILABLE:
+                        raise
+                    failed = choice.prefill if (choice.prefill is not None and
+                                                e.message.startswith("prefill")) else choice.decode
+                    self._suspects[failed.worker_id] = time.monotonic() + 5.0
+                    RETRIES.inc()
+                    log.warning("re-routing %s: %s", req.request_id, e.message)
         finally:
             self.inflight -= 1
             INFLIGHT.set(self.inflight)
@@ -176,6 +202,9 @@ class RouterBackend:
         if p is not None:
             self.local.add(d.worker_id, 0)
         first = True
+        for w in (p, d):
+            if w is not None:
+                WORKER_REQUESTS.labels(w.worker_id, w.role).inc()
         try:
             target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch,
                                   kv_address=d.kv_address, kv_transport=d.kv_transport,

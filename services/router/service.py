@@ -30,7 +30,7 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
         await backend.start()
         await serve(server_cfg, [generation_service(backend)],
                     f"pdserve router ({config.policy}) serving {backend.facts.name}",
-                    on_ready=on_ready)
+                    on_ready=on_ready, http_backend=backend)
     finally:
         await backend.close()
         await registry.close()

@@ -33,6 +33,7 @@ class ServerProcess:
     http_port: int = field(default_factory=free_port)
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    command: str = "serve"  # or prefill, decode, router
 
     @property
     def target(self) -> str:
@@ -44,7 +45,7 @@ class ServerProcess:
         return f"http://127.0.0.1:{self.http_port}/v1"
 
     def start(self) -> None:
-        cmd = [sys.executable, "-m", "services.cli", "serve", *self.args,
+        cmd = [sys.executable, "-m", "services.cli", self.command, *self.args,
                "--host", "127.0.0.1", "--port", str(self.port),
                "--metrics-port", str(self.metrics_port), "--http-port", str(self.http_port)]
         log = self.log_path.open("wb")

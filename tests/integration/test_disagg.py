@@ -28,11 +28,15 @@ LENGTHS = (5, 127, 128, 129, 1000, 1900)
 MAX_TOKENS = 12
 
 
-async def greedy(target: str, ids: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+async def greedy(target: str, ids: list[int], max_tokens: int = MAX_TOKENS,
+                 shipped: bool = False) -> list[int]:
+    """Greedy token ids; with `shipped`, also check the KV really came by transfer."""
     async with PdserveClient(target) as client:
         result = await client.generate(token_ids=ids, temperature=0.0, max_tokens=max_tokens,
                                        ignore_eos=True)
     assert result.completion_tokens == max_tokens
+    if shipped:
+        assert result.timings.get("kv_transfer_bytes", 0) > 0, "the KV was not shipped"
     return result.token_ids
 
 
@@ -41,7 +45,7 @@ async def check_identical(stack: DisaggStack, colocated: ServerProcess, tokenize
         ids = prompt_of_length(tokenizer, n, salt=f"identity {stack.server.log_path.name}")
         assert len(ids) == n
         expected = await greedy(colocated.target, ids)
-        got = await greedy(stack.server.target, ids)
+        got = await greedy(stack.server.target, ids, shipped=True)
         assert got == expected, f"{n}-token prompt"
 
 

@@ -134,3 +134,17 @@ def test_byte_view_shares_memory() -> None:
     assert t[0, 0].item() == 1.5
     with pytest.raises(ValueError):
         frames.byte_view(torch.zeros(4, 4).t())
+
+
+def test_slab_pool_reuses_slabs_of_several_sizes() -> None:
+    import torch
+
+    from services.kv.transport.staging import SlabPool
+
+    pool = SlabPool(torch.device("cpu"), max_bytes=1 << 30)
+    small, large = pool.get(3 << 20), pool.get(40 << 20)
+    pool.put(small)
+    pool.put(large)
+    again = pool.get(20 << 20)  # must pick the large one out of a mixed-size pool
+    assert again.data_ptr() == large.data_ptr()
+    assert pool.get(1 << 20).data_ptr() == small.data_ptr()

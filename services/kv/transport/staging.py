@@ -74,11 +74,12 @@ class SlabPool:
 
     def get(self, nbytes: int) -> torch.Tensor:
         with self._lock:
-            fits = [s for s in self._free if s.numel() >= nbytes]
+            # By position, never `list.remove`: that compares tensors with `==`, which
+            # broadcasts (and fails) across slabs of different sizes.
+            fits = [i for i, s in enumerate(self._free) if s.numel() >= nbytes]
             if fits:
-                best = min(fits, key=lambda s: s.numel())
-                self._free.remove(best)
-                return best
+                best = min(fits, key=lambda i: self._free[i].numel())
+                return self._free.pop(best)
         # Round up so that transfers of similar length can share slabs later.
         step = max(1 << 20, 1 << max(nbytes.bit_length() - 4, 0))
         return torch.empty(-(-nbytes // step) * step, dtype=torch.uint8, device=self.device)

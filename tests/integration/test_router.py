@@ -1,0 +1,188 @@
+"""The router in front of real pools: two prefill workers and one decode worker (real
+vLLM engines, standalone processes as Kubernetes pods would run them), a real
+redis-server, two router replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from services.api.client import PdserveClient, build_request, collect
+from services.registry.redis_server import RedisServer
+from services.registry.registry import Registry
+from tests.helpers.prompts import prompt_of_length
+from tests.helpers.servers import ServerProcess, scrape
+
+pytestmark = pytest.mark.engine
+
+
+class Pool:
+    def __init__(self, redis: RedisServer, workdir: Path) -> None:
+        self.redis = redis
+        self.workdir = workdir
+        self.workers: dict[str, ServerProcess] = {}
+        self.routers: list[ServerProcess] = []
+
+    def worker(self, name: str, role: str, cores: str) -> ServerProcess:
+        proc = ServerProcess(
+            ["--redis-url", self.redis.url, "--worker-id", name, "--cpu-cores", cores,
+             "--kv-cache-gib", "1", "--worker-ttl-s", "3"],
+            self.workdir / f"{name}.log", command=role)
+        proc.start()
+        self.workers[name] = proc
+        return proc
+
+    def router(self, *extra: str) -> ServerProcess:
+        proc = ServerProcess(["--redis-url", self.redis.url, *extra],
+                             self.workdir / f"router-{len(self.routers)}.log", command="router")
+        proc.start()
+        self.routers.append(proc)
+        return proc
+
+    def stop(self) -> None:
+        for proc in [*self.routers, *self.workers.values()]:
+            proc.stop()
+
+
+@pytest.fixture(scope="module")
+async def pool(redis: RedisServer, session_dir: Path, model_path: Path) -> AsyncIterator[Pool]:
+    pool = Pool(redis, session_dir)
+    try:
+        pool.worker("prefill-a", "prefill", "0")
+        pool.worker("prefill-b", "prefill", "0")
+        pool.worker("decode-a", "decode", "1")
+        pool.router()
+        pool.router("--max-inflight", "2")
+        await asyncio.gather(*(p.wait_ready(timeout=900) for p in
+                               [*pool.workers.values(), *pool.routers]))
+        yield pool
+    finally:
+        pool.stop()
+
+
+def worker_counts(router: ServerProcess, role: str) -> Counter[str]:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics").read()
+    counts: Counter[str] = Counter()
+    for family in text_string_to_metric_families(text.decode()):
+        for s in family.samples:
+            if s.name == "pdserve_router_worker_requests_total" and s.labels["role"] == role:
+                counts[s.labels["worker"]] = int(s.value)
+    return counts
+
+
+async def test_router_output_identical_to_colocated(pool: Pool, colocated: ServerProcess,
+                                                    tokenizer) -> None:  # type: ignore[no-untyped-def]
+    for n in (7, 300):
+        ids = prompt_of_length(tokenizer, n, salt="router identity")
+        async with PdserveClient(colocated.target) as c1, \
+                PdserveClient(pool.routers[0].target) as c2:
+            a = await c1.generate(token_ids=ids, temperature=0.0, max_tokens=10, ignore_eos=True)
+            b = await c2.generate(token_ids=ids, temperature=0.0, max_tokens=10, ignore_eos=True)
+        assert a.token_ids == b.token_ids
+        assert b.timings["kv_transfer_bytes"] > 0
+
+
+async def test_burst_spreads_over_both_prefill_workers(pool: Pool, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    router = pool.routers[0]
+    before = worker_counts(router, "prefill")
+    async with PdserveClient(router.target) as client:
+        results = await asyncio.gather(*(
+            client.generate(token_ids=prompt_of_length(tokenizer, 400, salt=f"burst {i}"),
+                            temperature=0.0, max_tokens=4, ignore_eos=True)
+            for i in range(6)))
+    assert all(r.completion_tokens == 4 for r in results)
+    spread = worker_counts(router, "prefill") - before
+    assert set(spread) == {"prefill-a", "prefill-b"}, spread
+
+
+async def test_shared_prefix_goes_to_the_worker_that_holds_it(pool: Pool, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    router = pool.routers[0]
+    prefix = prompt_of_length(tokenizer, 640, salt="shared system prompt")
+    before = worker_counts(router, "prefill")
+    async with PdserveClient(router.target) as client:
+        for i in range(4):
+            suffix = prompt_of_length(tokenizer, 20, salt=f"question {i}")
+            await client.generate(token_ids=prefix + suffix, temperature=0.0, max_tokens=2)
+    used = worker_counts(router, "prefill") - before
+    assert len(used) == 1 and sum(used.values()) == 4, used
+    choices = scrape(router.metrics_port, reason="prefix")
+    assert choices["pdserve_router_pair_choices_total"] >= 3
+
+
+async def test_overload_gets_resource_exhausted_and_every_request_ends_once(
+    pool: Pool, tokenizer  # type: ignore[no-untyped-def]
+) -> None:
+    small = pool.routers[1]  # --max-inflight 2, same Redis and workers as router 0
+
+    async def one(i: int) -> str:
+        async with PdserveClient(small.target) as client:
+            call = client.call(build_request(
+                token_ids=prompt_of_length(tokenizer, 200, salt=f"overload {i}"),
+                temperature=0.0, max_tokens=16, ignore_eos=True), timeout=300)
+            try:
+                await collect(call)
+                return "OK"
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    trailing = dict(e.trailing_metadata() or ())
+                    assert int(trailing["retry-after-ms"]) > 0
+                return e.code().name
+
+    outcomes = Counter(await asyncio.gather(*(one(i) for i in range(8))))
+    assert sum(outcomes.values()) == 8
+    assert outcomes["OK"] >= 2 and outcomes["RESOURCE_EXHAUSTED"] >= 1, outcomes
+    assert set(outcomes) <= {"OK", "RESOURCE_EXHAUSTED"}, outcomes
+
+
+async def test_killed_prefill_worker_drops_out_and_requests_still_succeed(
+    pool: Pool, redis: RedisServer, tokenizer  # type: ignore[no-untyped-def]
+) -> None:
+    victim = pool.workers["prefill-b"]
+    assert victim.proc is not None
+    os.killpg(victim.proc.pid, signal.SIGKILL)
+    registry = Registry.from_url(redis.url)
+    try:
+        deadline = time.monotonic() + 10
+        while any(w.worker_id == "prefill-b" for w in await registry.workers()):
+            assert time.monotonic() < deadline, "the dead worker is still registered"
+            await asyncio.sleep(0.25)
+    finally:
+        await registry.close()
+    async with PdserveClient(pool.routers[0].target) as client:
+        for i in range(4):
+            r = await client.generate(token_ids=prompt_of_length(tokenizer, 150, salt=f"k{i}"),
+                                      temperature=0.0, max_tokens=3, ignore_eos=True)
+            assert r.completion_tokens == 3
+
+
+async def test_registry_rebuilds_after_a_redis_restart(pool: Pool, redis: RedisServer,
+                                                       tokenizer) -> None:  # type: ignore[no-untyped-def]
+    redis.stop()
+    # the routers keep their last view: serving goes on while Redis is away
+    async with PdserveClient(pool.routers[0].target) as client:
+        r = await client.generate(token_ids=[1, 2, 3, 4], temperature=0.0, max_tokens=2)
+        assert r.completion_tokens == 2
+    redis.start()  # same port, empty: the heartbeats fill it again
+    registry = Registry.from_url(redis.url)
+    try:
+        deadline = time.monotonic() + 15
+        while {w.worker_id for w in await registry.workers()} != {"prefill-a", "decode-a"}:
+            assert time.monotonic() < deadline, "workers did not re-register"
+            await asyncio.sleep(0.25)
+    finally:
+        await registry.close()
+    async with PdserveClient(pool.routers[1].target) as client:
+        r = await client.generate(token_ids=prompt_of_length(tokenizer, 50, salt="after"),
+                                  temperature=0.0, max_tokens=2)
+        assert r.completion_tokens == 2
+
