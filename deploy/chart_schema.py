@@ -1,0 +1,98 @@
+"""The settings blocks of the Helm chart's values.schema.json, derived from pdserve's
+settings models, so that the chart accepts exactly the settings pdserve has.
+
+    .venv/bin/python deploy/chart_schema.py          # rewrite them in the schema
+    .venv/bin/python deploy/chart_schema.py --check  # exit 1 when the schema is stale
+
+Each settings block of the chart (`server`, `engine`, `worker`, `router.settings`,
+`kuberay.launcher`, and the per-role overrides) takes field names as keys; the chart
+turns each into PDSERVE_<FIELD>. The fields the chart sets itself (hosts, ports, model
+path, Redis URL, pool sizes) are left out, so values cannot contradict the manifests.
+tests/unit/test_helm_chart.py fails when this output and the schema differ.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+SCHEMA = ROOT / "helm" / "pdserve" / "values.schema.json"
+
+# Fields the chart derives from its own values (see templates/configmap.yaml).
+MANAGED: dict[str, frozenset[str]] = {
+    "ServerConfig": frozenset({"host", "port", "metrics_port", "http_port"}),
+    "EngineConfig": frozenset({"model"}),
+    "WorkerConfig": frozenset({"worker_id", "redis_url", "advertise_host", "kv_host",
+                               "kv_advertise_host", "kv_port"}),
+    "RouterConfig": frozenset({"redis_url", "router_model"}),
+    "LauncherConfig": frozenset({"prefill", "decode", "ray_address"}),
+}
+
+# values.schema.json definition name -> settings model.
+DEFINITIONS = {
+    "serverSettings": "ServerConfig",
+    "engineSettings": "EngineConfig",
+    "workerSettings": "WorkerConfig",
+    "routerSettings": "RouterConfig",
+    "launcherSettings": "LauncherConfig",
+}
+
+
+def models() -> dict[str, Any]:
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from services.api.server import ServerConfig
+    from services.engine.config import EngineConfig
+    from services.launcher.up import LauncherConfig
+    from services.router.config import RouterConfig
+    from services.workers import WorkerConfig
+
+    return {m.__name__: m for m in (ServerConfig, EngineConfig, WorkerConfig, RouterConfig,
+                                     LauncherConfig)}
+
+
+def settings_definition(model: Any) -> dict[str, Any]:
+    """A JSON schema (draft-07) object for the user-settable fields of `model`."""
+    fields = model.model_json_schema()["properties"]
+    managed = MANAGED[model.__name__]
+    properties: dict[str, Any] = {}
+    for name in model.model_fields:
+        if name in managed:
+            continue
+        prop = {k: v for k, v in fields[name].items() if k != "title"}
+        properties[name] = dict(sorted(prop.items()))
+    return {
+        "type": "object",
+        "description": f"{model.__name__} fields, each set as PDSERVE_<FIELD>; the chart "
+                       f"sets {', '.join(sorted(managed))} itself",
+        "additionalProperties": False,
+        "properties": properties,
+    }
+
+
+def settings_definitions() -> dict[str, dict[str, Any]]:
+    by_name = models()
+    return {key: settings_definition(by_name[model]) for key, model in DEFINITIONS.items()}
+
+
+def main(argv: list[str]) -> int:
+    schema = json.loads(SCHEMA.read_text())
+    wanted = settings_definitions()
+    current = {k: schema["definitions"].get(k) for k in wanted}
+    if "--check" in argv:
+        if current != wanted:
+            print(f"{SCHEMA.relative_to(ROOT)} is stale: run python deploy/chart_schema.py",
+                  file=sys.stderr)
+            return 1
+        return 0
+    schema["definitions"].update(wanted)
+    SCHEMA.write_text(json.dumps(schema, indent=2) + "\n")
+    print(f"wrote {SCHEMA.relative_to(ROOT)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
