@@ -44,14 +44,9 @@ DEFINITIONS = {
 def models() -> dict[str, Any]:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from services.api.server import ServerConfig
-    from services.engine.config import EngineConfig
-    from services.launcher.up import LauncherConfig
-    from services.router.config import RouterConfig
-    from services.workers import WorkerConfig
+    from services.settings import settings_models
 
-    return {m.__name__: m for m in (ServerConfig, EngineConfig, WorkerConfig, RouterConfig,
-                                     LauncherConfig)}
+    return {m.__name__: m for m in settings_models()}
 
 
 def settings_definition(model: Any) -> dict[str, Any]:

@@ -25,7 +25,8 @@ class ServiceActor:
     launcher, which sets the per-role resources and restart policy."""
 
     def __init__(self, role: str, server_cfg: ServerConfig, engine_cfg: EngineConfig | None,
-                 worker_cfg: WorkerConfig | None, router_cfg: RouterConfig | None) -> None:
+                 worker_cfg: WorkerConfig | None, router_cfg: RouterConfig | None,
+                 advertise_node_ip: bool = False) -> None:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
         self.role = role
@@ -35,10 +36,24 @@ class ServiceActor:
         self._task: asyncio.Task[Any]
         if role in ("prefill", "decode"):
             assert engine_cfg is not None and worker_cfg is not None
+            if advertise_node_ip:
+                worker_cfg = self._on_this_node(worker_cfg)
             self._task = loop.create_task(self._worker(role, server_cfg, engine_cfg, worker_cfg))
         else:
             assert router_cfg is not None
             self._task = loop.create_task(self._router(server_cfg, router_cfg))
+
+    @staticmethod
+    def _on_this_node(config: WorkerConfig) -> WorkerConfig:
+        """On a multi-node cluster peers reach this worker at its node's address, which
+        only the actor knows (loopback would point them at their own node)."""
+        import ray
+
+        ip = ray.util.get_node_ip_address()
+        return config.model_copy(update={
+            "advertise_host": config.advertise_host or ip,
+            "kv_advertise_host": config.kv_advertise_host or ip,
+        })
 
     def _ready(self, port: int) -> None:
         if not self._port.done():

@@ -106,13 +106,15 @@ class Supervisor:
             if index == 0:
                 server = s.server.model_copy()
             router = s.router.model_copy(update={"redis_url": self.redis_url})
-            return (role, server, None, None, router)
+            return (role, server, None, None, router, False)
         cores = dict(zip(ROLES, split_cores(s.launcher.prefill_cores, s.launcher.decode_cores),
                          strict=True))[role]
         engine = s.engine.model_copy(update={"cpu_cores": cores})
         worker = s.worker.model_copy(update={"redis_url": self.redis_url,
                                              "worker_id": f"{role}-{index}"})
-        return (role, server, engine, worker, None)
+        # Joining a cluster: workers may land on other nodes, so they advertise their
+        # node's address; a local cluster keeps everything on loopback.
+        return (role, server, engine, worker, None, bool(s.launcher.ray_address))
 
     def ensure(self, role: str, count: int) -> None:
         for i in range(count):

@@ -110,6 +110,9 @@ class LoadAware:
         best_decode = min(open_decodes, key=lambda d: self.decode_cost(d, local))
         if req.prompt_len <= self.local_prefill_max_tokens:
             return Choice(None, best_decode, "local_short_prompt")
+        prefix = self._prefix_holder(prefills, open_decodes, req, local)
+        if prefix is not None:
+            return prefix
         best: tuple[float, WorkerRecord, WorkerRecord] | None = None
         for d in open_decodes:
             for p in prefills:
@@ -122,11 +125,29 @@ class LoadAware:
         if best is None:
             return Choice(None, best_decode, "local_no_prefill")
         _, p, d = best
-        queued = p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
-        if self.local_prefill_max_tokens and queued > self.saturated_queue_tokens:
+        if self.local_prefill_max_tokens and self.queued(p, local) > self.saturated_queue_tokens:
             return Choice(None, best_decode, "local_prefill_saturated")
-        reason = "prefix" if req.prefix_hits.get(p.worker_id, 0) > 0 else "load"
-        return Choice(p, d, reason)
+        return Choice(p, d, "load")
+
+    def queued(self, p: WorkerRecord, local: LocalLoad) -> int:
+        return p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
+
+    def _prefix_holder(self, prefills: Sequence[WorkerRecord], decodes: list[WorkerRecord],
+                       req: RouteInput, local: LocalLoad) -> Choice | None:
+        """The worker holding the longest cached prefix wins unless its queue is
+        saturated: load reports lag by up to a heartbeat, so weighing a cache hit against
+        a queue that may already be gone would send the prompt elsewhere too often."""
+        holders = [p for p in prefills if req.prefix_hits.get(p.worker_id, 0) > 0
+                   and self.queued(p, local) < self.saturated_queue_tokens]
+        if not holders:
+            return None
+        p = max(holders, key=lambda w: (req.prefix_hits[w.worker_id], -self.queued(w, local)))
+        fits = [d for d in decodes if compatible(p, d)]
+        if not fits:
+            return None
+        d = min(fits, key=lambda d: self.decode_cost(d, local)
+                + (0 if p.host == d.host else self.transfer_cost_tokens))
+        return Choice(p, d, "prefix")
 
 
 def make_policy(name: str, local_prefill_max_tokens: int = 0) -> Policy:

@@ -5,7 +5,7 @@ files (Dockerfiles, compose file, Ray cluster config, Grafana dashboard) checked
 pdserve's own settings models, CLI and metrics.
 
 No cluster, container engine or vLLM engine is involved: what runs is Helm's template
-engine, its values.schema.json validation and its linter, in this process.
+engine, its values.schema.json validation and its linter, in a child process.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import json
 import os
 import re
 import shlex
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -46,18 +47,85 @@ CRD_SKIP_REASON = (
     "fields each CRD requires, in test_custom_resources_structure."
 )
 
+HELM_INSTALL = ("install the dev extra's helm-python-sdk==0.2.2, a wheel bundling Helm's "
+                "Go SDK (v4.2.3); without it the chart cannot be rendered, so the chart "
+                "tests do not run")
+needs_helm = pytest.mark.skipif(importlib.util.find_spec("helm_python") is None,
+                                reason=f"the Helm engine is not installed: {HELM_INSTALL}")
+
+# Helm runs in a child process: its Go runtime (threads, signal handlers) stays out of the
+# pytest process, which also hosts vLLM engines and gRPC servers in the same session.
+_HELM_CHILD = r"""
+import json, sys
 try:
     import helm_python as helm
+    version = helm.helm_sdk_version()  # loads the bundled native library
+except Exception as e:
+    print(json.dumps({"error": {"type": type(e).__name__, "message": str(e)}}), flush=True)
+    sys.exit(0)
+path, name, namespace = sys.argv[1:4]
+chart = helm.Chart.load(path)
+print(json.dumps({"ok": version}), flush=True)
+for line in sys.stdin:
+    request = json.loads(line)
+    values = request.get("values")
+    try:
+        if request["op"] == "render":
+            result = chart.render(values, name=name, namespace=namespace)
+        elif request["op"] == "lint":
+            result = helm.lint(path, values, strict=True, namespace=namespace,
+                               kube_version=request["kube_version"])
+        else:
+            result = chart.validate_schema(values)
+        reply = {"ok": result}
+    except helm.HelmError as e:
+        reply = {"error": {"type": type(e).__name__, "message": str(e)}}
+    print(json.dumps(reply), flush=True)
+"""
 
-    HELM_SDK = helm.helm_sdk_version()  # loads the bundled native library
-    HELM_MISSING = ""
-except Exception as e:  # not installed, or its native library does not load here
-    helm = None
-    HELM_MISSING = (
-        f"the Helm engine is unavailable ({type(e).__name__}: {e}): install the dev extra's "
-        "helm-python-sdk==0.2.2, a wheel bundling Helm's Go SDK (v4.2.3). Without it the "
-        "chart cannot be rendered, so the chart tests do not run.")
-needs_helm = pytest.mark.skipif(bool(HELM_MISSING), reason=HELM_MISSING or "-")
+
+class HelmFailure(Exception):
+    """Helm refused: `kind` is the SDK's error class (HelmValuesError: values.schema.json;
+    HelmRenderError: a template's `fail`/`required`)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(message)
+        self.kind = kind
+
+
+@functools.lru_cache(maxsize=1)
+def _start_helm() -> tuple[Any, str]:
+    """The child process, or why it could not start."""
+    import atexit
+    import subprocess
+
+    child = subprocess.Popen(
+        [sys.executable, "-c", _HELM_CHILD, str(CHART), RELEASE, NAMESPACE],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    atexit.register(child.kill)
+    hello = json.loads(child.stdout.readline() or "{}")  # type: ignore[union-attr]
+    if "ok" in hello:
+        return child, ""
+    error = hello.get("error", {"type": "exit", "message": "no answer"})
+    return None, (f"the Helm engine does not load here ({error['type']}: "
+                  f"{error['message']}): {HELM_INSTALL}")
+
+
+def _helm() -> Any:
+    child, why_not = _start_helm()
+    if child is None:
+        pytest.skip(why_not)
+    return child
+
+
+def helm_call(op: str, values: dict[str, Any] | None, **extra: Any) -> Any:
+    child = _helm()
+    child.stdin.write(json.dumps({"op": op, "values": values, **extra}) + "\n")
+    child.stdin.flush()
+    reply = json.loads(child.stdout.readline())
+    if "error" in reply:
+        raise HelmFailure(reply["error"]["type"], reply["error"]["message"])
+    return reply["ok"]
 
 
 # -- rendering ------------------------------------------------------------------------
@@ -71,13 +139,8 @@ def scenario_values(name: str) -> dict[str, Any]:
     return yaml.safe_load((CHART / "ci" / f"{name}-values.yaml").read_text()) or {}
 
 
-@functools.lru_cache(maxsize=1)
-def _chart() -> Any:
-    return helm.Chart.load(str(CHART))
-
-
 def render_files(values: dict[str, Any]) -> dict[str, str]:
-    return dict(_chart().render(values, name=RELEASE, namespace=NAMESPACE))
+    return dict(helm_call("render", values))
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -172,14 +235,11 @@ def k8s_errors(obj: dict[str, Any], version: str, schema_file: str | None = None
 # -- pdserve's settings and CLI ---------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def settings_models() -> dict[str, Any]:
-    from services.api.server import ServerConfig
-    from services.engine.config import EngineConfig
-    from services.launcher.up import LauncherConfig
-    from services.router.config import RouterConfig
-    from services.workers import WorkerConfig
+    from services import settings
 
-    return {m.__name__: m for m in (EngineConfig, ServerConfig, WorkerConfig, RouterConfig,
-                                     LauncherConfig)}
+    models = {m.__name__: m for m in settings.settings_models()}
+    assert set(models) >= {name for names in COMMAND_MODELS.values() for name in names}
+    return models
 
 
 @functools.lru_cache(maxsize=1)
@@ -280,8 +340,7 @@ def test_renders_valid_kubernetes_objects(scenario: str) -> None:
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_helm_lint_is_clean(scenario: str) -> None:
     for version in KUBE_VERSIONS:
-        report = helm.lint(str(CHART), scenario_values(scenario), strict=True,
-                           namespace=NAMESPACE, kube_version=f"v{version}")
+        report = helm_call("lint", scenario_values(scenario), kube_version=f"v{version}")
         findings = [m for m in report["messages"] if m["severity"] >= 2]
         assert not findings and not report["errors"], (version, findings, report["errors"])
 
@@ -875,8 +934,9 @@ def test_raycluster_uses_the_ray_of_the_lock() -> None:
 ])
 @needs_helm
 def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None:
-    with pytest.raises(helm.HelmValuesError) as failure:
+    with pytest.raises(HelmFailure) as failure:
         render(values)
+    assert failure.value.kind == "HelmValuesError"
     assert "values don't meet the specifications of the schema" in str(failure.value)
     assert message in str(failure.value), str(failure.value)
 
@@ -901,8 +961,9 @@ def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None
 @needs_helm
 def test_inconsistent_values_fail_with_a_clear_message(values: dict[str, Any],
                                                        message: str) -> None:
-    with pytest.raises(helm.HelmError) as failure:
+    with pytest.raises(HelmFailure) as failure:
         render(values)
+    assert failure.value.kind == "HelmRenderError"
     assert message in str(failure.value), str(failure.value)
 
 
@@ -918,7 +979,7 @@ def test_values_file_and_schema_agree() -> None:
 @needs_helm
 def test_example_values_pass_helms_schema_check() -> None:
     for name in SCENARIOS:
-        _chart().validate_schema(scenario_values(name))
+        helm_call("validate_schema", scenario_values(name))
 
 
 # ======================================================================================
@@ -1013,6 +1074,36 @@ def test_compose_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     assert services["router"]["build"]["dockerfile"] == "deploy/Dockerfile.cpu"
     ports = {p.rsplit(":", 1)[1] for p in services["router"]["ports"]}
     assert ports == {"50051", "8000", "9400"}
+
+
+def test_compose_healthcheck_asks_grpc_health() -> None:
+    """The compose healthcheck, run against a real grpc.health.v1 server."""
+    import subprocess
+    from concurrent import futures
+
+    import grpc
+    from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    test = compose["services"]["decode"]["healthcheck"]["test"]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+    servicer = health.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        code = test[3].replace("127.0.0.1:50051", f"127.0.0.1:{port}")
+
+        def check() -> int:
+            return subprocess.run([sys.executable, "-c", code, test[4]], timeout=60,
+                                  capture_output=True).returncode
+
+        servicer.set(test[4], health_pb2.HealthCheckResponse.SERVING)
+        assert check() == 0
+        servicer.set(test[4], health_pb2.HealthCheckResponse.NOT_SERVING)  # draining
+        assert check() == 1
+    finally:
+        server.stop(None)
 
 
 def test_ray_cluster_config() -> None:

@@ -75,3 +75,17 @@ def test_conditional_disaggregation() -> None:
     busy = [worker("p1", "prefill", queued_prompt_tokens=5000)]
     saturated = policy.choose(busy, decodes, RouteInput(500), LocalLoad())
     assert saturated is not None and saturated.reason == "local_prefill_saturated"
+
+
+def test_prefix_holder_wins_over_a_lagging_load_report_until_saturated() -> None:
+    policy = LoadAware(saturated_queue_tokens=4096)
+    decodes = [worker("d1", "decode")]
+    hits = RouteInput(660, prefix_hits={"p1": 640})
+    busy_looking = [worker("p1", "prefill", queued_prompt_tokens=660), worker("p2", "prefill")]
+    choice = policy.choose(busy_looking, decodes, hits, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p1", "prefix")
+    saturated = [worker("p1", "prefill", queued_prompt_tokens=5000), worker("p2", "prefill")]
+    choice = policy.choose(saturated, decodes, hits, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p2", "load")
