@@ -200,8 +200,8 @@ def main() -> None:
     port, metrics = free_port(), free_port()
     router = subprocess.Popen(
         ["taskset", "-c", str(args.router_core), sys.executable, "-m", "services.cli",
-         "router", "--redis-url", redis.url, "--host", "127.0.0.1", "--port", str(port),
-         "--metrics-port", str(metrics), "--max-inflight", "100000", "--log-level", "WARNING"],
+         "--log-level", "WARNING", "router", "--redis-url", redis.url, "--host", "127.0.0.1",
+         "--port", str(port), "--metrics-port", str(metrics), "--max-inflight", "100000"],
         env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         async def run() -> dict[str, Any]:
