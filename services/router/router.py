@@ -72,6 +72,7 @@ class RouterBackend:
         # Workers that just failed a call: skipped until their record expires or they
         # answer heartbeats again with a new epoch (a few seconds).
         self._suspects: dict[str, float] = {}
+        self._empty_since = float("inf")
 
     # -- the worker view --------------------------------------------------------------
     async def start(self, wait_for_workers_s: float = 600.0) -> None:
@@ -88,7 +89,16 @@ class RouterBackend:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def refresh(self) -> None:
-        self._view = await self.registry.workers()
+        view = await self.registry.workers()
+        if not view and self._empty_since == float("inf"):
+            self._empty_since = time.monotonic()
+        if not view and self._view and time.monotonic() < self._empty_since + 10.0:
+            # An empty registry right after a full one is most likely Redis restarted
+            # and not yet refilled by heartbeats: keep routing on the last view a while.
+            return
+        if view:
+            self._empty_since = float("inf")
+        self._view = view
         decode = next((w for w in self._view if w.role == "decode"), None)
         if decode is not None and self._facts is None:
             self._facts = model_facts(self._tokenizer, self._model_path,

@@ -181,6 +181,7 @@ async def test_registry_rebuilds_after_a_redis_restart(pool: Pool, redis: RedisS
             await asyncio.sleep(0.25)
     finally:
         await registry.close()
+    await asyncio.sleep(2 * 0.5)  # the routers re-read the registry every 0.5 s
     async with PdserveClient(pool.routers[1].target) as client:
         r = await client.generate(token_ids=prompt_of_length(tokenizer, 50, salt="after"),
                                   temperature=0.0, max_tokens=2)
