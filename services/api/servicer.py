@@ -27,17 +27,19 @@ FINISH_REASONS = {
 }
 
 
+def finish_reason_pb(delta: Delta) -> pb.FinishReason:
+    return FINISH_REASONS.get(delta.finish_reason or "", pb.FINISH_REASON_ABORT)
+
+
+def logprob_messages(delta: Delta) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
+                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
+            for lp in delta.logprobs or ()]
+
+
 def chunk_message(delta: Delta) -> pb.GenerateResponse:
-    chunk = pb.Chunk(token_ids=delta.token_ids, text=delta.text)
-    for lp in delta.logprobs or ():
-        chunk.logprobs.append(
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top],
-            )
-        )
-    return pb.GenerateResponse(chunk=chunk)
+    return pb.GenerateResponse(chunk=pb.Chunk(token_ids=delta.token_ids, text=delta.text,
+                                              logprobs=logprob_messages(delta)))
 
 
 def _final(
@@ -51,7 +53,7 @@ def _final(
     stop = delta.stop_reason
     return pb.GenerateResponse(
         final=pb.Final(
-            finish_reason=FINISH_REASONS.get(delta.finish_reason or "", pb.FINISH_REASON_ABORT),
+            finish_reason=finish_reason_pb(delta),
             stop_reason="" if stop is None else str(stop),
             usage=pb.Usage(
                 prompt_tokens=prompt_tokens,

@@ -16,7 +16,7 @@ from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api import validation
 from services.api.backend import Delta, GenerationRequest, delta_from_output, vllm_params
 from services.api.server import Service
-from services.api.servicer import FINISH_REASONS, chunk_message
+from services.api.servicer import chunk_message, finish_reason_pb
 from services.kv.params import LOAD_KEY, recv_params
 from services.prefill.servicer import check_fault
 from services.workers import Worker
@@ -123,7 +123,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                 KV_FAILURES.labels(self.policy).inc()
         stop = delta.stop_reason
         return pb.Final(
-            finish_reason=FINISH_REASONS.get(delta.finish_reason or "", pb.FINISH_REASON_ABORT),
+            finish_reason=finish_reason_pb(delta),
             stop_reason="" if stop is None else str(stop),
             usage=pb.Usage(cached_tokens=delta.num_cached_tokens),
             timings=timings,

@@ -9,13 +9,12 @@ import time
 
 import grpc
 
-from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api import validation
 from services.api.backend import GenerationRequest, delta_from_output, vllm_params
 from services.api.server import Service
-from services.api.servicer import FINISH_REASONS
+from services.api.servicer import finish_reason_pb, logprob_messages
 from services.kv.params import FAULTS, send_params
 from services.workers import Worker
 
@@ -91,7 +90,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
             first_token_id=delta.token_ids[0], first_token_text=delta.text,
             # "length" here only means max_tokens=1 was reached; "stop" ends the answer.
             finished=delta.finish_reason == "stop",
-            finish_reason=FINISH_REASONS.get(delta.finish_reason or "", pb.FINISH_REASON_ABORT),
+            finish_reason=finish_reason_pb(delta),
             stop_reason="" if delta.stop_reason is None else str(delta.stop_reason),
             queue_s=delta.timings.get("queue_s", 0.0),
             prefill_s=delta.timings.get("prefill_s", 0.0),
@@ -102,11 +101,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                 num_tokens=len(greq.prompt_token_ids), decode_epoch=t.epoch,
                 prefill_start_wall=start_wall, prefill_done_wall=done_wall,
             ),
+            logprobs=logprob_messages(delta),
         )
-        for lp in delta.logprobs or ():
-            resp.logprobs.append(pb.TokenLogprob(
-                token_id=lp.token_id, logprob=lp.logprob,
-                top=[pb.TopLogprob(token_id=i, logprob=v) for i, v in lp.top]))
         return resp
 
     async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,

@@ -22,6 +22,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api.backend import Delta, GenerationRequest, TokenLogprob
+from services.api.client import FINISH_NAMES
 from services.api.server import grpc_options
 from services.api.validation import RequestError
 from services.engine.engine import ModelFacts
@@ -32,8 +33,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-FINISH_NAMES = {pb.FINISH_REASON_STOP: "stop", pb.FINISH_REASON_LENGTH: "length",
-                pb.FINISH_REASON_ABORT: "abort"}
 
 
 class PairRefused(RuntimeError):
