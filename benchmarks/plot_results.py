@@ -83,6 +83,61 @@ def router(data: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "router_overhead.png", dpi=120)
 
 
+HEADLINE_SEGMENTS = ("prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
+
+
+def headline(data: dict[str, Any], out: Path) -> None:
+    """Tails and goodput vs rate per configuration; where the time went at one rate."""
+    configs = data["configs"]
+    slo = data["args"]
+    fig, axes = plt.subplots(2, 2, figsize=(10, 7))
+    panels = [("ttft_p99", "TTFT p99 (s)", slo["ttft_slo"]),
+              ("tpot_p99", "TPOT p99 (s)", slo["tpot_slo"]),
+              ("itl_p99", "ITL p99 (s)", slo["itl_slo"])]
+    for ax, (key, title, bound) in zip(axes.flat, panels, strict=False):
+        for name, rows in configs.items():
+            ax.plot([r["rate"] for r in rows], [r[key] for r in rows], marker="o", label=name)
+        ax.axhline(bound, color="red", lw=0.8, ls="--", label="SLO")
+        ax.set_yscale("log")
+        ax.set_title(title)
+        ax.set_xlabel("requests/s")
+    ax = axes.flat[3]
+    for i, (name, rows) in enumerate(configs.items()):
+        color = f"C{i}"
+        rates = [r["rate"] for r in rows]
+        ax.plot(rates, [r["goodput_per_request"] for r in rows], marker="o", color=color,
+                label=f"{name}: TTFT+TPOT SLO")
+        ax.plot(rates, [r["goodput_per_token"] for r in rows], marker="x", ls=":",
+                color=color, label=f"{name}: ITL SLO")
+    ax.set_title("goodput (requests/s meeting the SLOs)")
+    ax.set_xlabel("requests/s")
+    axes.flat[0].legend(fontsize=7)
+    ax.legend(fontsize=6)
+    fig.suptitle(f"mixed workload (share {slo['long_share']:g} of 1800-token prompts), "
+                 "2 cores", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "headline.png", dpi=110)
+
+    # anatomy: mean seconds per segment, chat and long requests, at the middle rate
+    names = list(configs)
+    mid = len(next(iter(configs.values()))) // 2
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    for ax, kind in zip(axes, ("chat", "long"), strict=True):
+        bottoms = [0.0] * len(names)
+        for seg in HEADLINE_SEGMENTS:
+            heights = [(configs[n][mid]["anatomy"].get(kind) or {}).get(seg) or 0.0
+                       for n in names]
+            heights = [max(0.0, h) for h in heights]
+            ax.barh(names, heights, left=bottoms, label=seg)
+            bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+        ax.set_title(f"{kind} requests at {configs[names[0]][mid]['rate']:g} req/s: "
+                     "mean seconds")
+        ax.invert_yaxis()
+    axes[1].legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    fig.savefig(out / "headline_anatomy.png", dpi=110)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -92,7 +147,8 @@ def main() -> None:
     results, out = Path(args.results), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, plot in (("api_overhead", api_overhead), ("kv_transport", kv_transport),
-                       ("disagg_ttft", disagg_ttft), ("router_overhead", router)):
+                       ("disagg_ttft", disagg_ttft), ("router_overhead", router),
+                       ("headline", headline)):
         data = load(results, name)
         if data is None:
             print(f"skipped {name}: no {results}/{name}.json")

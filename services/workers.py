@@ -9,10 +9,12 @@ import json
 import logging
 import os
 import socket
+import tempfile
 import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from pydantic import Field
@@ -98,12 +100,14 @@ class WorkerIdentity:
         return cls(name, role, time.time_ns())
 
 
-def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig, kv_port: int) -> Any:
+def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig,
+                       port_file: str = "") -> Any:
     from vllm.config import KVTransferConfig
 
     extra: dict[str, Any] = {
-        "worker_id": identity.worker_id, "epoch": identity.epoch,
-        "kv_host": config.kv_host, "kv_port": kv_port, "kv_transport": config.kv_transport,
+        "worker_id": identity.worker_id, "epoch": identity.epoch, "port_file": port_file,
+        "kv_host": config.kv_host, "kv_port": config.kv_port,
+        "kv_transport": config.kv_transport,
         "lease_s": config.kv_lease_s, "load_timeout_s": config.kv_load_timeout_s,
         "allow_faults": config.allow_fault_injection,
     }
@@ -129,11 +133,15 @@ class Worker:
     @classmethod
     def start(cls, role: Role, engine_cfg: EngineConfig, config: WorkerConfig) -> Worker:
         identity = WorkerIdentity.new(role, config.worker_id)
-        kv_port = config.kv_port or (free_port() if role == "decode" else 0)
-        engine = Engine(engine_cfg, kv_transfer_config(identity, config, kv_port))
-        engine.start()
-        host = config.kv_advertise_host or local_host(config.kv_host)
-        address = f"{host}:{kv_port}" if role == "decode" else ""
+        address = ""
+        with tempfile.TemporaryDirectory(prefix="pdserve-kv-") as tmp:
+            # decode: the KV receiver binds its port inside the engine and writes it here
+            port_file = str(Path(tmp) / "port") if role == "decode" else ""
+            engine = Engine(engine_cfg, kv_transfer_config(identity, config, port_file))
+            engine.start()
+            if role == "decode":
+                host = config.kv_advertise_host or local_host(config.kv_host)
+                address = f"{host}:{Path(port_file).read_text().strip()}"
         return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address)
 
     def record(self, address: str, metrics_port: int = 0) -> WorkerRecord:

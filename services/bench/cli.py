@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import math
 import sys
@@ -19,9 +20,10 @@ from typing import Any
 
 from services.bench.arrivals import PROCESSES, ArrivalConfig
 from services.bench.compare import compare_table, load_summary, write_compare_report
+from services.bench.distributed import RayDriver
 from services.bench.metrics import SLOs
 from services.bench.report import text_summary, write_report
-from services.bench.runner import Runner, rate_label
+from services.bench.runner import Runner, rate_label, sweep
 from services.bench.targets import PROMPT_MODES, GrpcTarget, OpenAITarget, Target
 from services.bench.workload import (
     DATASETS,
@@ -76,6 +78,15 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="gRPC connections to spread requests over")
     g.add_argument("--extra-body", type=json.loads, default=None, metavar="JSON",
                    help="extra fields merged into each OpenAI request body (default: none)")
+    g = p.add_argument_group("load generators")
+    g.add_argument("--generators", type=int, default=1,
+                   help="processes that send the load: above 1, Ray actors each sending "
+                   "an equal share of the one schedule, results merged (use when one "
+                   "process cannot keep up; see BENCHMARKS.md for one process's ceiling)")
+    g.add_argument("--ray-address", default=None,
+                   help="Ray cluster to place the generators on (default: a local Ray)")
+    g.add_argument("--generator-cpus", type=float, default=0.0,
+                   help="CPUs each generator actor reserves in Ray (0: no reservation)")
 
 
 def _add_workload_args(p: argparse.ArgumentParser) -> None:
@@ -244,21 +255,30 @@ def build_target(args: argparse.Namespace) -> Target:
 
 async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
     slos = parse_slos(args.slo)
+    if args.generators < 1:
+        raise ValueError(f"--generators must be >= 1, got {args.generators}")
     n = request_count(args, rates)
     arrivals = [arrival_config(args, rate) for rate in rates]  # validate before any work
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     wcfg = workload_config(args, min(n, 10_000))  # longer runs reuse the specs in a cycle
     specs = build_workload(wcfg, tokenizer)
     target = build_target(args)
-    runner = Runner(target, progress=not args.no_progress, drain_timeout_s=args.drain_timeout)
-    await target.start()
+    driver: Runner | RayDriver
+    if args.generators > 1:
+        driver = RayDriver(functools.partial(build_target, args), args.generators,
+                           ray_address=args.ray_address, generator_cpus=args.generator_cpus,
+                           progress=not args.no_progress, drain_timeout_s=args.drain_timeout)
+    else:
+        driver = Runner(target, progress=not args.no_progress,
+                        drain_timeout_s=args.drain_timeout)
+    await (driver.start() if isinstance(driver, RayDriver) else target.start())
     try:
         single = len(rates) == 1 and args.bench_command == "run"
         label = args.label or rate_label(rates[0])
-        results = ([await runner.run(specs, arrivals[0], label, n)] if single else
-                   await runner.sweep(specs, arrivals[0], rates, n, args.sweep_pause))
+        results = ([await driver.run(specs, arrivals[0], label, n)] if single else
+                   await sweep(driver, specs, arrivals[0], rates, n, args.sweep_pause))
     finally:
-        await target.close()
+        await (driver.close() if isinstance(driver, RayDriver) else target.close())
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.output_dir or f"bench-results/{stamp}-{args.label or target.name}")
     meta: dict[str, Any] = {
@@ -266,6 +286,7 @@ async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
         "endpoint": args.address if args.target == "pdserve" else args.base_url,
         "model": args.model, "prompt_as": args.prompt_as, "num_requests": n,
         "workload": asdict(wcfg), "command": " ".join(sys.argv[1:]),
+        "generators": args.generators,
     }
     document = write_report(out_dir, results, slos, meta, with_plots=not args.no_plots)
     for summary in document["runs"]:

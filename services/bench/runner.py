@@ -8,7 +8,9 @@ aborts them server-side) and recorded as ``CANCELLED_BY_CLIENT``. Nothing here b
 the loop sleeps until the next send.
 
 Records carry wall-clock send times and a generator id, so records from several
-load-generator processes can be concatenated and summarised as one run.
+load-generator processes can be concatenated and summarised as one run: a `Share` makes a
+runner send only every n-th request of the schedule (``distributed`` spreads a run over
+Ray actors that way).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import numpy as np
 from tqdm import tqdm
@@ -29,6 +32,20 @@ from services.bench.arrivals import ArrivalConfig, send_offsets
 from services.bench.metrics import tpot
 from services.bench.records import RequestRecord, RequestSpec
 from services.bench.targets import ChunkEvent, Target, TargetError
+
+
+@dataclass(frozen=True, slots=True)
+class Share:
+    """This generator's part of a run spread over several: requests ``index``, ``index +
+    of``, ... of the one schedule, all generators starting at the same wall-clock time."""
+
+    index: int
+    of: int
+    start_at: float  # epoch seconds
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.index < self.of:
+            raise ValueError(f"share {self.index} of {self.of} does not exist")
 
 
 @dataclass(slots=True)
@@ -49,12 +66,14 @@ class _Live:
     ttfts: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     tpots: deque[float] = field(default_factory=lambda: deque(maxlen=256))
     running: int = 0
+    done: int = 0
     errors: int = 0
     out_tokens: int = 0
     shown_at: float = 0.0
 
     def finished(self, rec: RequestRecord) -> None:
         self.running -= 1
+        self.done += 1
         if rec.ok:
             if rec.ttft_s is not None:
                 self.ttfts.append(rec.ttft_s)
@@ -84,7 +103,8 @@ class _Run:
     label: str
     arrivals: ArrivalConfig
     specs: Sequence[RequestSpec]
-    offsets: np.ndarray  # send times, seconds after t0
+    indices: np.ndarray  # which requests of the schedule this generator sends
+    offsets: np.ndarray  # their send times, seconds after t0
     live: _Live
     t0: float  # perf_counter() at the start
     epoch0: float  # time.time() at the same moment: turns perf_counter into wall clock
@@ -101,21 +121,38 @@ class Runner:
         self.progress = progress
         self.drain_timeout_s = drain_timeout_s
         self.generator_id = generator_id or f"{socket.gethostname()}:{os.getpid()}"
+        self.live: _Live | None = None  # the run in progress, for progress reports
+
+    def finished_requests(self) -> int:
+        """Requests of the current run that have ended (for a remote progress bar)."""
+        return 0 if self.live is None else self.live.done
 
     async def run(self, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,
-                  label: str = "run", num_requests: int | None = None) -> RunResult:
+                  label: str = "run", num_requests: int | None = None,
+                  share: Share | None = None) -> RunResult:
         """Send ``num_requests`` requests (default: one per spec, specs reused in a cycle)
-        on the ``arrivals`` schedule; returns the records of the requests actually sent."""
+        on the ``arrivals`` schedule; returns the records of the requests actually sent.
+
+        With a ``share``, only that share of the schedule is sent, from its start time;
+        a concurrency cap is split evenly between the generators."""
+        self.live = None
         offsets = send_offsets(arrivals, num_requests or len(specs))
+        indices = np.arange(len(offsets))
+        cap = arrivals.max_concurrency
+        if share is not None:
+            indices = indices[share.index::share.of]
+            offsets = offsets[share.index::share.of]
+            cap = math.ceil(cap / share.of) if cap else cap
+            await asyncio.sleep(max(0.0, share.start_at - time.time()))
         # A duration-limited run ends on the clock, not at a count: no total to show.
         total = None if arrivals.duration_s is not None else len(offsets)
         bar = tqdm(total=total, desc=label, unit="req", dynamic_ncols=True,
                    mininterval=0.5, disable=not self.progress)
         t0 = time.perf_counter()
-        run = _Run(label, arrivals, specs, offsets, _Live(bar, t0), t0, time.time(),
+        run = _Run(label, arrivals, specs, indices, offsets, _Live(bar, t0), t0, time.time(),
                    t0 + (arrivals.duration_s or math.inf),
-                   asyncio.Semaphore(arrivals.max_concurrency) if arrivals.max_concurrency
-                   else None)
+                   asyncio.Semaphore(cap) if cap else None)
+        self.live = run.live
         dispatch = asyncio.create_task(self._dispatch(run))
         try:
             # The dispatcher may be blocked on a concurrency slot; the duration still ends it.
@@ -139,7 +176,7 @@ class Runner:
 
     async def _dispatch(self, run: _Run) -> None:
         """Sends request i at t0 + offsets[i], after taking a concurrency slot if capped."""
-        for i, offset in enumerate(run.offsets):
+        for i, offset in zip(run.indices.tolist(), run.offsets.tolist(), strict=True):
             delay = run.t0 + offset - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
@@ -153,7 +190,7 @@ class Runner:
             rec = RequestRecord(
                 run=run.label, index=i, request_id=f"bench-{run.label}-{i}-{os.getpid()}",
                 kind=spec.kind, prompt_tokens=len(spec.prompt_ids),
-                max_tokens=spec.output_len, scheduled_s=float(offset),
+                max_tokens=spec.output_len, scheduled_s=offset,
                 # Warm-up by the actual send time: in a closed loop every offset is 0.
                 warmup=run.arrivals.is_warmup(i, time.perf_counter() - run.t0),
                 generator=self.generator_id)
@@ -199,14 +236,27 @@ class Runner:
     async def sweep(self, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,
                     rates: Sequence[float], num_requests: int | None = None,
                     pause_s: float = 0.0) -> list[RunResult]:
-        """One run per rate, same requests and schedule seed, one after another."""
-        results = []
-        for k, rate in enumerate(rates):
-            if k and pause_s > 0:
-                await asyncio.sleep(pause_s)  # let the server's queues empty between rates
-            cfg = replace(arrivals, rate=rate)
-            results.append(await self.run(specs, cfg, rate_label(rate), num_requests))
-        return results
+        return await sweep(self, specs, arrivals, rates, num_requests, pause_s)
+
+
+class Driver(Protocol):
+    """What runs one benchmark run: a `Runner` here, or one spread over Ray actors."""
+
+    async def run(self, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,
+                  label: str = "run", num_requests: int | None = None) -> RunResult: ...
+
+
+async def sweep(driver: Driver, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,
+                rates: Sequence[float], num_requests: int | None = None,
+                pause_s: float = 0.0) -> list[RunResult]:
+    """One run per rate, same requests and schedule seed, one after another."""
+    results = []
+    for k, rate in enumerate(rates):
+        if k and pause_s > 0:
+            await asyncio.sleep(pause_s)  # let the server's queues empty between rates
+        cfg = replace(arrivals, rate=rate)
+        results.append(await driver.run(specs, cfg, rate_label(rate), num_requests))
+    return results
 
 
 def rate_label(rate: float) -> str:

@@ -13,6 +13,7 @@ Settings come in `kv_connector_extra_config` (see `ConnectorSettings`).
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -49,7 +50,8 @@ class ConnectorSettings:
     worker_id: str
     epoch: int
     kv_host: str = "127.0.0.1"  # consumer: where the KV receiver binds
-    kv_port: int = 0  # consumer: its port (the service picks a free one)
+    kv_port: int = 0  # consumer: its port; 0 = any free one, written to `port_file`
+    port_file: str = ""  # consumer: where the bound port is written for the service
     kv_transport: str = "grpc"  # consumer: receiver kind
     lease_s: float = 30.0  # producer: blocks held at most this long for an unacked transfer
     load_timeout_s: float = 30.0  # consumer: longest wait for a complete transfer
@@ -61,6 +63,15 @@ class ConnectorSettings:
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         known = {k: extra[k] for k in cls.__dataclass_fields__ if k in extra}
         return cls(**known)
+
+
+def publish_port(path: str, address: str) -> None:
+    """Tells the service which port the receiver bound: binding port 0 here, rather than
+    handing down a port picked earlier, leaves no window for another process to take it."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(address.rsplit(":", 1)[1])
+    os.replace(tmp, path)  # readers never see a half-written file
 
 
 class PdserveConnector(KVConnectorBase_V1):
@@ -97,6 +108,8 @@ class PdserveConnector(KVConnectorBase_V1):
                 s.allow_faults,
             )
             log.info("KV receiver (%s) on %s", s.kv_transport, self.consumer.receiver.address)
+            if s.port_file:
+                publish_port(s.port_file, self.consumer.receiver.address)
 
     # -- worker half ------------------------------------------------------------------
     def _meta(self) -> PdserveConnectorMetadata:

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import logging
 import os
+import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from typing import Any
 
@@ -24,6 +27,14 @@ from services.settings import add_arguments, env_name, from_arguments
 from services.workers import WorkerConfig, free_port
 
 log = logging.getLogger(__name__)
+ERROR_LINE = re.compile(r"\b\w*(Error|Exception): ")
+
+
+def tokens(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a token count must be >= 0, got {value}")
+    return value
 
 
 def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
@@ -33,6 +44,9 @@ def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
                    help="cores of the prefill worker; default: the first half of the cores")
     g.add_argument("--decode-cores", default="",
                    help="cores of the decode worker; default: the second half of the cores")
+    g.add_argument("--local-prefill-max-tokens", type=tokens, default=0,
+                   help="prompts up to this many tokens prefill on the decode worker "
+                   "instead of being shipped (0 = always disaggregate)")
     for role in ("prefill", "decode"):
         g.add_argument(f"--{role}-port", type=int, default=0,
                        help=f"gRPC port of the {role} worker (0 = a free port)")
@@ -65,7 +79,30 @@ class LocalWorker:
         cmd = [sys.executable, "-m", "services.cli", role, "--host", "127.0.0.1",
                "--port", str(port), "--metrics-port", str(metrics_port)]
         # Own process group: stopping the pair stops the engines' children too.
-        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True)
+        self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, start_new_session=True,
+                                     stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        # The worker's output still reaches our terminal; its last lines are also kept,
+        # so a worker that dies while starting is reported with its own words.
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=10)
+        self.error_lines: collections.deque[str] = collections.deque(maxlen=4)
+        threading.Thread(target=self._forward, name=f"{role}-log", daemon=True).start()
+
+    def _forward(self) -> None:
+        assert self.proc.stdout is not None
+        for raw in self.proc.stdout:
+            sys.stdout.buffer.write(raw)
+            sys.stdout.flush()
+            line = raw.decode(errors="replace").rstrip()
+            self.last_lines.append(line)
+            # The root cause is usually an exception logged well before the last lines.
+            if ERROR_LINE.search(line) and line not in self.error_lines:
+                self.error_lines.append(line)
+
+    def exit_report(self) -> str:
+        errors = "\n  ".join(self.error_lines) or "(none logged)"
+        tail = "\n  ".join(self.last_lines)
+        return (f"the {self.role} worker exited ({self.proc.returncode}); its errors:\n  "
+                f"{errors}\nits last lines:\n  {tail}")
 
     @property
     def target(self) -> str:
@@ -88,7 +125,8 @@ async def wait_healthy(worker: LocalWorker, timeout: float = 600.0) -> None:
     async with PdserveClient(worker.target) as client:
         while True:
             if worker.proc.poll() is not None:
-                raise RuntimeError(f"the {worker.role} worker exited ({worker.proc.returncode})")
+                await asyncio.sleep(0.2)  # let the last lines through
+                raise RuntimeError(worker.exit_report())
             with contextlib.suppress(Exception):
                 if await client.health(timeout=1.0) == "SERVING":
                     return
@@ -111,7 +149,8 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
                     {**base, "PDSERVE_CPU_CORES": cores, "PDSERVE_WORKER_ID": f"local-{role}"})
         for role, cores in (("prefill", prefill_cores), ("decode", decode_cores))
     ]
-    backend = DisaggBackend(AutoTokenizer.from_pretrained(str(model_path)), str(model_path))
+    backend = DisaggBackend(AutoTokenizer.from_pretrained(str(model_path)), str(model_path),
+                            args.local_prefill_max_tokens)
     try:
         log.info("starting the prefill worker (cores %s) and the decode worker (cores %s)",
                  prefill_cores, decode_cores)

@@ -173,9 +173,13 @@ class DisaggBackend:
 
     mode = "disaggregated"
 
-    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_path: str) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, model_path: str,
+                 local_prefill_max_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._model_path = model_path
+        # Prompts up to this long prefill on the decode worker: shipping their KV costs
+        # more than computing it there (conditional disaggregation).
+        self.local_prefill_max_tokens = local_prefill_max_tokens
         self.prefill: WorkerLink | None = None
         self.decode: WorkerLink | None = None
         self._facts: ModelFacts | None = None
@@ -210,7 +214,9 @@ class DisaggBackend:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         assert self.prefill is not None and self.decode is not None
-        async for delta in run_pair(req, wpb_grpc.PrefillServiceStub(self.prefill.channel),
+        local = len(req.prompt_token_ids) <= self.local_prefill_max_tokens
+        async for delta in run_pair(req, None if local else
+                                    wpb_grpc.PrefillServiceStub(self.prefill.channel),
                                     wpb_grpc.DecodeServiceStub(self.decode.channel),
                                     kv_target(self.decode.info), self.fault):
             yield delta

@@ -149,6 +149,12 @@ class RouterBackend:
     async def _choose(self, req: GenerationRequest, hashes: list[str]) -> Choice:
         prefills, decodes = self._live("prefill"), self._live("decode")
         if not decodes:
+            # The view is up to refresh_s old: a decode worker that just (re)started may
+            # already be registered. One Redis read is cheap next to failing the request.
+            with contextlib.suppress(Exception):
+                await self.refresh()
+            prefills, decodes = self._live("prefill"), self._live("decode")
+        if not decodes:
             raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
         hits: dict[str, int] = {}
         if hashes:

@@ -61,7 +61,7 @@ class ServerProcess:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     code = self.proc.returncode
-                    raise RuntimeError(f"server exited ({code}):\n{self.log_tail()}")
+                    raise RuntimeError(f"server exited ({code}):\n{self.log_tail(80)}")
                 try:
                     if await client.health(timeout=1.0) == "SERVING":
                         return

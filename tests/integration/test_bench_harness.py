@@ -157,3 +157,39 @@ def test_unreachable_server_is_reported_per_request(tmp_path: Path) -> None:
     assert rc == 1
     summary = json.loads((out / "summary.json").read_text())
     assert summary["runs"][0]["errors"] == {"UNAVAILABLE": 2}
+
+
+@pytest.mark.timeout(300)
+def test_load_spread_over_ray_actors_is_one_run(tmp_path: Path) -> None:
+    """Two Ray actors each send half of one schedule; the records merge into one run."""
+    from services.bench.arrivals import ArrivalConfig, send_offsets
+
+    out = tmp_path / "ray"
+    with simulator("--ttft-s", "0.01", "--tpot-s", "0.002") as port:
+        rc = cli.main(["bench", "run", "--address", f"127.0.0.1:{port}", "--vocab-size", "500",
+                       "--num-requests", "40", "--rate", "20", "--arrival", "constant",
+                       "--input-len", "32", "--output-len", "5", "--generators", "2",
+                       "--output-dir", str(out), "--no-progress", "--no-plots"])
+    assert rc == 0
+    summary = json.loads((out / "summary.json").read_text())
+    run = summary["runs"][0]
+    assert run["completed"] == 40 and run["failed"] == 0
+    assert summary["meta"]["generators"] == 2
+    records = read_records_jsonl(out / "requests.jsonl")
+    assert [r.index for r in records] == list(range(40))
+    by_generator = {g: [r.index for r in records if r.generator == g]
+                    for g in {r.generator for r in records}}
+    assert sorted(map(sorted, by_generator.values())) == [list(range(0, 40, 2)),
+                                                          list(range(1, 40, 2))]
+    # the schedule is the one a single process would have sent, from one shared start
+    expected = send_offsets(ArrivalConfig(rate=20, process="constant"), 40)
+    assert [r.scheduled_s for r in records] == pytest.approx(expected.tolist())
+    first = min(r.send_time for r in records)
+    for r in records:
+        assert r.send_time - first == pytest.approx(r.scheduled_s - expected[0], abs=0.25)
+
+
+def test_generators_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    rc = cli.main(["bench", "run", "--generators", "0", "--vocab-size", "10",
+                   "--num-requests", "1", "--no-progress"])
+    assert rc == 2 and "--generators must be >= 1" in capsys.readouterr().err

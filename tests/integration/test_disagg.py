@@ -80,6 +80,26 @@ async def test_decode_engine_used_the_shipped_kv(disagg_grpc: DisaggStack, token
     assert (shipped, p2p) == (300, 300)
 
 
+async def test_short_prompts_prefill_on_the_decode_worker_when_asked(
+    disagg_grpc: DisaggStack, colocated: ServerProcess, tokenizer  # type: ignore[no-untyped-def]
+) -> None:
+    """Conditional disaggregation: below the threshold nothing is shipped, same tokens."""
+    backend = await backend_for(disagg_grpc, tokenizer)
+    backend.local_prefill_max_tokens = 100
+    try:
+        for n, shipped in ((100, False), (101, True)):
+            ids = prompt_of_length(tokenizer, n, salt=f"conditional {n}")
+            req = GenerationRequest(uuid.uuid4().hex, ids, pb.SamplingParams(temperature=0.0),
+                                    {"temperature": 0.0, "ignore_eos": True}, 6)
+            deltas = [d async for d in backend.generate(req)]
+            assert [t for d in deltas for t in d.token_ids] == await greedy(
+                colocated.target, ids, max_tokens=6)
+            timings = deltas[-1].timings
+            assert (timings.get("kv_transfer_bytes", 0) > 0) == shipped, f"{n} tokens"
+    finally:
+        await backend.close()
+
+
 def delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
     return after.get(name, 0.0) - before.get(name, 0.0)
 
