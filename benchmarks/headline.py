@@ -14,7 +14,7 @@ colocated serving):
 Goodput is reported for two SLO families: per request (TTFT and TPOT bounds) and per
 token (every gap between streamed chunks under a bound: smooth streaming).
 
-    python benchmarks/headline.py --rates 0.25 0.5 0.75 --duration 75 \\
+    python benchmarks/headline.py --rates 0.5 1 1.5 2 --duration 75 \\
         --json bench-results/headline.json
 """
 
@@ -41,7 +41,10 @@ SEGMENTS = ("prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
 
 
 def sweep(target: str, out: Path, label: str, args: argparse.Namespace) -> None:
+    from services.engine.model import resolve_model
+
     cmd = [sys.executable, "-m", "services.cli", "bench", "sweep", "--address", target,
+           "--tokenizer", str(resolve_model("", "float32")),
            "--dataset", "mixed", "--input-len", "100", "--output-len", "128",
            "--long-share", str(args.long_share), "--long-input-len", "1800",
            "--long-output-len", "16", "--seed", "0", "--rates", *map(str, args.rates),
@@ -106,15 +109,15 @@ def print_table(result: dict[str, Any]) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", type=float, nargs="+", default=[0.25, 0.5, 0.75],
+    parser.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5, 2.0],
                         help="request rates to sweep (requests/s)")
     parser.add_argument("--duration", type=float, default=75.0, help="seconds per rate")
-    parser.add_argument("--drain-timeout", type=float, default=60.0,
+    parser.add_argument("--drain-timeout", type=float, default=45.0,
                         help="seconds to let in-flight requests finish after each rate")
     parser.add_argument("--long-share", type=float, default=0.2,
                         help="share of 1800-token prompts among the requests")
-    parser.add_argument("--ttft-slo", type=float, default=20.0, help="per-request SLO: TTFT")
-    parser.add_argument("--tpot-slo", type=float, default=0.28, help="per-request SLO: TPOT")
+    parser.add_argument("--ttft-slo", type=float, default=4.0, help="per-request SLO: TTFT")
+    parser.add_argument("--tpot-slo", type=float, default=0.1, help="per-request SLO: TPOT")
     parser.add_argument("--itl-slo", type=float, default=0.3,
                         help="per-token SLO: largest gap between streamed chunks")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),

@@ -83,10 +83,30 @@ def router(data: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "router_overhead.png", dpi=120)
 
 
+def stack_overhead(data: dict[str, Any], out: Path) -> None:
+    """TTFT and TPOT of each pdserve front, relative to plain vLLM, per prompt length."""
+    med = data["median"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.4), sharey=True)
+    for ax, metric in zip(axes, ("ttft", "tpot"), strict=True):
+        lengths = list(med)
+        names = [n for n in med[lengths[0]] if n != "vllm"]
+        width = 0.8 / len(names)
+        for i, name in enumerate(names):
+            ratios = [med[n][name][metric] / med[n]["vllm"][metric] for n in lengths]
+            ax.bar([k + i * width for k in range(len(lengths))], ratios, width, label=name)
+        ax.axhline(1.0, color="black", lw=0.8)
+        ax.set_xticks([k + width * (len(names) - 1) / 2 for k in range(len(lengths))],
+                      [f"{n} prompt tokens" for n in lengths])
+        ax.set_title(f"{metric.upper()} / plain vLLM (median, one request at a time)")
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "stack_overhead.png", dpi=110)
+
+
 HEADLINE_SEGMENTS = ("prefill_queue", "prefill", "kv_transfer", "decode_queue", "decode")
 
 
-def headline(data: dict[str, Any], out: Path) -> None:
+def headline(data: dict[str, Any], out: Path, anatomy_rate: float = 1.0) -> None:
     """Tails and goodput vs rate per configuration; where the time went at one rate."""
     configs = data["configs"]
     slo = data["args"]
@@ -120,7 +140,8 @@ def headline(data: dict[str, Any], out: Path) -> None:
 
     # anatomy: mean seconds per segment, chat and long requests, at the middle rate
     names = list(configs)
-    mid = len(next(iter(configs.values()))) // 2
+    rates = [r["rate"] for r in configs[names[0]]]
+    mid = min(range(len(rates)), key=lambda i: abs(rates[i] - anatomy_rate))
     fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
     for ax, kind in zip(axes, ("chat", "long"), strict=True):
         bottoms = [0.0] * len(names)
@@ -133,7 +154,7 @@ def headline(data: dict[str, Any], out: Path) -> None:
         ax.set_title(f"{kind} requests at {configs[names[0]][mid]['rate']:g} req/s: "
                      "mean seconds")
         ax.invert_yaxis()
-    axes[1].legend(fontsize=7, loc="lower right")
+    axes[1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
     fig.tight_layout()
     fig.savefig(out / "headline_anatomy.png", dpi=110)
 
@@ -143,17 +164,22 @@ def main() -> None:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--results", default="bench-results", help="folder of the JSON results")
     parser.add_argument("--out", default="docs/benchmarks", help="where the PNGs go")
+    parser.add_argument("--anatomy-rate", type=float, default=1.0,
+                        help="headline: the request rate whose anatomy is drawn")
     args = parser.parse_args()
     results, out = Path(args.results), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for name, plot in (("api_overhead", api_overhead), ("kv_transport", kv_transport),
                        ("disagg_ttft", disagg_ttft), ("router_overhead", router),
-                       ("headline", headline)):
+                       ("headline", headline), ("stack_overhead", stack_overhead)):
         data = load(results, name)
         if data is None:
             print(f"skipped {name}: no {results}/{name}.json")
             continue
-        plot(data, out)
+        if plot is headline:
+            headline(data, out, args.anatomy_rate)
+        else:
+            plot(data, out)
         print(f"wrote {out}/{name}.png")
 
 

@@ -96,25 +96,32 @@ async def one(target: Target, spec: RequestSpec, rid: str) -> tuple[float, float
 
 
 async def measure(targets: dict[str, Target], lengths: list[int], rounds: int,
-                  output_len: int, vocab: int) -> dict[str, Any]:
+                  output_len: int, vocab: int, pause_s: float) -> dict[str, Any]:
     import numpy as np
 
     rng = np.random.default_rng(0)
     samples: dict[str, dict[str, dict[str, list[float]]]] = {
         str(n): {name: {"ttft": [], "tpot": []} for name in targets} for n in lengths}
-    for name, target in targets.items():
-        await target.start()
-        await one(target, RequestSpec(list(rng.integers(100, vocab, 16)), 4), f"warm-{name}")
-    for r in range(rounds):
-        for n in lengths:
-            for name, target in targets.items():
-                spec = RequestSpec([int(t) for t in rng.integers(100, vocab, n)], output_len)
-                ttft, tpot = await one(target, spec, f"{name}-{n}-{r}")
-                samples[str(n)][name]["ttft"].append(ttft)
-                samples[str(n)][name]["tpot"].append(tpot)
-        print(f"round {r + 1}/{rounds} done", flush=True)
-    for target in targets.values():
-        await target.close()
+    try:
+        for name, target in targets.items():
+            await target.start()
+            await one(target, RequestSpec(rng.integers(100, vocab, 16).tolist(), 4),
+                      f"warm-{name}")
+        for r in range(rounds):
+            for n in lengths:
+                for name, target in targets.items():
+                    # Engines keep working for a moment after a request (freeing blocks,
+                    # the pair's KV acknowledgement, idle OpenMP threads spinning): let
+                    # that settle so no server pays for the one before it.
+                    await asyncio.sleep(pause_s)
+                    spec = RequestSpec(rng.integers(100, vocab, n).tolist(), output_len)
+                    ttft, tpot = await one(target, spec, f"{name}-{n}-{r}")
+                    samples[str(n)][name]["ttft"].append(ttft)
+                    samples[str(n)][name]["tpot"].append(tpot)
+            print(f"round {r + 1}/{rounds} done", flush=True)
+    finally:
+        for target in targets.values():
+            await target.close()
     medians = {n: {name: {k: statistics.median(v) for k, v in s.items()}
                    for name, s in per.items()} for n, per in samples.items()}
     return {"samples": samples, "median": medians}
@@ -136,6 +143,8 @@ def main() -> None:
     parser.add_argument("--lengths", type=int, nargs="+", default=[64, 1000],
                         help="prompt lengths in tokens")
     parser.add_argument("--output-len", type=int, default=32, help="tokens per answer")
+    parser.add_argument("--pause", type=float, default=2.0,
+                        help="seconds of quiet before each request")
     parser.add_argument("--logs", default="bench-results/stack_overhead",
                         help="folder for the servers' logs")
     parser.add_argument("--json", default="bench-results/stack_overhead.json",
@@ -172,7 +181,7 @@ def main() -> None:
             "full_stack (gRPC)": GrpcTarget(stack.target),
         }
         result = asyncio.run(measure(targets, args.lengths, args.rounds, args.output_len,
-                                     vocab=49152))
+                                     vocab=49152, pause_s=args.pause))
     finally:
         vllm.stop()
         for s in servers:
