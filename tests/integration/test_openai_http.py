@@ -6,8 +6,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -211,3 +214,43 @@ async def test_disconnect_aborts_engine_request(http: httpx.AsyncClient,
     assert colocated.metrics()["vllm:num_requests_running"] == 0
     ok = await http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
     assert ok.json()["usage"]["completion_tokens"] == 2
+
+
+def readme_examples() -> tuple[list[str], str]:
+    """The curl commands and the Python snippet of the README's OpenAI section."""
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = text.split("## OpenAI-compatible HTTP", 1)[1].split("\n## ", 1)[0]
+    bash = section.split("```bash\n", 1)[1].split("```", 1)[0]
+    commands, current = [], ""
+    for line in bash.splitlines():  # one command: until no `\` and no open quote
+        current += line + "\n"
+        if not line.endswith("\\") and current.count("'") % 2 == 0:
+            if current.startswith("curl"):
+                commands.append(current.strip())
+            current = ""
+    python = section.split("```python\n", 1)[1].split("```", 1)[0]
+    return commands, python
+
+
+def test_readme_examples_work_as_written(colocated: ServerProcess) -> None:
+    """Every curl line and the `openai` snippet of the README, pointed at a live server."""
+    commands, python = readme_examples()
+    assert len(commands) == 5, commands
+    address = f"127.0.0.1:{colocated.http_port}"
+    outputs = []
+    for command in commands:
+        run = subprocess.run(["bash", "-o", "pipefail", "-c",
+                              command.replace("localhost:8000", address)],
+                             capture_output=True, text=True, timeout=120)
+        assert run.returncode == 0, f"{command}\n{run.stderr}"
+        outputs.append(run.stdout)
+    completion, stream, models, health, metrics = outputs
+    assert json.loads(completion)["choices"][0]["text"]
+    assert stream.rstrip().endswith("data: [DONE]") and '"usage"' in stream
+    assert json.loads(models)["data"][0]["id"]
+    assert health.startswith("HTTP/1.1 200")
+    assert metrics.startswith("vllm:num_requests_running")
+    snippet = python.replace("http://127.0.0.1:8000/v1", colocated.base_url)
+    run = subprocess.run([sys.executable, "-c", snippet], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr
