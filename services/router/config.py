@@ -23,6 +23,10 @@ class RouterConfig(BaseSettings):
     local_prefill_max_tokens: int = Field(
         0, ge=0, description="router: prompts up to this many tokens, or any prompt while the "
         "prefill pool is saturated, prefill on the decode worker (0 = always disaggregate)")
+    prefill_max_queued_tokens: int = Field(
+        131072, ge=0, description="router: the prefill pool's bound: while the chosen "
+        "prefill worker has this many prompt tokens queued, new requests get "
+        "RESOURCE_EXHAUSTED (0 = no bound)")
     max_inflight: int = Field(256, ge=1, description="router: requests in flight before new "
                               "ones get RESOURCE_EXHAUSTED")
     client_max_inflight: int = Field(

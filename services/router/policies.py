@@ -55,6 +55,23 @@ def decode_has_room(d: WorkerRecord, local: LocalLoad) -> bool:
     return busy < d.capacity and d.load.kv_usage < KV_FULL
 
 
+def prefill_queue(p: WorkerRecord, local: LocalLoad) -> int:
+    """Prompt tokens waiting on a prefill worker: its last report plus what this router
+    sent it since."""
+    return p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
+
+
+def prefill_pool_full(choice: Choice, local: LocalLoad, max_queued_tokens: int) -> str | None:
+    """Why the chosen prefill worker takes no more work (its queue is at the bound), or
+    None. The load policy picks the shortest queue, so a full choice means a full pool."""
+    if not max_queued_tokens or choice.prefill is None:
+        return None
+    queued = prefill_queue(choice.prefill, local)
+    if queued < max_queued_tokens:
+        return None
+    return f"the prefill pool has {queued} prompt tokens queued (bound {max_queued_tokens})"
+
+
 def compatible(p: WorkerRecord, d: WorkerRecord) -> bool:
     return p.fingerprint == d.fingerprint
 
@@ -95,8 +112,8 @@ class LoadAware:
     name: str = "load"
 
     def prefill_cost(self, p: WorkerRecord, req: RouteInput, local: LocalLoad) -> int:
-        queued = p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
-        return queued + max(0, req.prompt_len - req.prefix_hits.get(p.worker_id, 0))
+        return prefill_queue(p, local) + max(0, req.prompt_len - req.prefix_hits.get(
+            p.worker_id, 0))
 
     def decode_cost(self, d: WorkerRecord, local: LocalLoad) -> float:
         busy = d.load.running + d.load.waiting + local.requests.get(d.worker_id, 0)
@@ -130,7 +147,7 @@ class LoadAware:
         return Choice(p, d, "load")
 
     def queued(self, p: WorkerRecord, local: LocalLoad) -> int:
-        return p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
+        return prefill_queue(p, local)
 
     def _prefix_holder(self, prefills: Sequence[WorkerRecord], decodes: list[WorkerRecord],
                        req: RouteInput, local: LocalLoad) -> Choice | None:

@@ -29,7 +29,14 @@ from services.registry.records import WorkerRecord
 from services.registry.registry import Registry
 from services.router.config import RouterConfig
 from services.router.orchestrator import model_facts, run_pair
-from services.router.policies import Choice, LocalLoad, Policy, RouteInput, make_policy
+from services.router.policies import (
+    Choice,
+    LocalLoad,
+    Policy,
+    RouteInput,
+    make_policy,
+    prefill_pool_full,
+)
 from services.router.prefix import block_hashes
 
 if TYPE_CHECKING:
@@ -166,6 +173,8 @@ class RouterBackend:
                                                                   hits), self.local)
         if choice is None:
             raise self._reject("capacity", "every decode worker is at capacity")
+        if full := prefill_pool_full(choice, self.local, self.config.prefill_max_queued_tokens):
+            raise self._reject("prefill_queue", full)
         return choice
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:

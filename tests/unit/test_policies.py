@@ -5,7 +5,14 @@ from __future__ import annotations
 from collections import Counter
 
 from services.registry.records import WorkerLoad, WorkerRecord
-from services.router.policies import LoadAware, LocalLoad, RoundRobin, RouteInput
+from services.router.policies import (
+    Choice,
+    LoadAware,
+    LocalLoad,
+    RoundRobin,
+    RouteInput,
+    prefill_pool_full,
+)
 
 
 def worker(wid: str, role: str, host: str = "h1", fp: str = "f", capacity: int = 8,
@@ -89,3 +96,15 @@ def test_prefix_holder_wins_over_a_lagging_load_report_until_saturated() -> None
     choice = policy.choose(saturated, decodes, hits, LocalLoad())
     assert choice is not None and choice.prefill is not None
     assert (choice.prefill.worker_id, choice.reason) == ("p2", "load")
+
+
+def test_prefill_pool_bound_counts_reported_and_local_queue() -> None:
+    p = worker("p1", "prefill", queued_prompt_tokens=900)
+    d = worker("d1", "decode")
+    local = LocalLoad()
+    assert prefill_pool_full(Choice(p, d, "load"), local, 1000) is None
+    local.add("p1", 100)  # sent since the last heartbeat: 900 + 100 reaches the bound
+    message = prefill_pool_full(Choice(p, d, "load"), local, 1000)
+    assert message == "the prefill pool has 1000 prompt tokens queued (bound 1000)"
+    assert prefill_pool_full(Choice(p, d, "load"), local, 0) is None  # 0: no bound
+    assert prefill_pool_full(Choice(None, d, "local_short_prompt"), local, 1) is None
