@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
@@ -32,7 +31,7 @@ sys.path.insert(0, str(ROOT))
 
 from services.bench.records import RequestSpec  # noqa: E402
 from services.bench.targets import ChunkEvent, GrpcTarget, OpenAITarget, Target  # noqa: E402
-from tests.helpers.servers import ServerProcess, free_port  # noqa: E402
+from tests.helpers.servers import ServerProcess, free_port, stop_group  # noqa: E402
 
 ENGINE_FLAGS = ["--kv-cache-gib", "1", "--no-enable-prefix-caching"]
 
@@ -71,12 +70,7 @@ class VllmServer:
         raise TimeoutError("vLLM's server did not start")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
+        stop_group(self.proc, timeout=60)
 
 
 async def one(target: Target, spec: RequestSpec, rid: str) -> tuple[float, float]:

@@ -23,7 +23,7 @@ from services.bench.compare import compare_table, load_summary, write_compare_re
 from services.bench.distributed import RayDriver
 from services.bench.metrics import SLOs
 from services.bench.report import text_summary, write_report
-from services.bench.runner import Runner, rate_label, sweep
+from services.bench.runner import Driver, Runner, rate_label, sweep
 from services.bench.targets import PROMPT_MODES, GrpcTarget, OpenAITarget, Target
 from services.bench.workload import (
     DATASETS,
@@ -263,7 +263,7 @@ async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
     wcfg = workload_config(args, min(n, 10_000))  # longer runs reuse the specs in a cycle
     specs = build_workload(wcfg, tokenizer)
     target = build_target(args)
-    driver: Runner | RayDriver
+    driver: Driver
     if args.generators > 1:
         driver = RayDriver(functools.partial(build_target, args), args.generators,
                            ray_address=args.ray_address, generator_cpus=args.generator_cpus,
@@ -271,14 +271,14 @@ async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
     else:
         driver = Runner(target, progress=not args.no_progress,
                         drain_timeout_s=args.drain_timeout)
-    await (driver.start() if isinstance(driver, RayDriver) else target.start())
+    await driver.start()
     try:
         single = len(rates) == 1 and args.bench_command == "run"
         label = args.label or rate_label(rates[0])
         results = ([await driver.run(specs, arrivals[0], label, n)] if single else
                    await sweep(driver, specs, arrivals[0], rates, n, args.sweep_pause))
     finally:
-        await (driver.close() if isinstance(driver, RayDriver) else target.close())
+        await driver.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
     out_dir = Path(args.output_dir or f"bench-results/{stamp}-{args.label or target.name}")
     meta: dict[str, Any] = {

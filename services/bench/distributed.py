@@ -36,12 +36,11 @@ class LoadGenerator:
 
     def __init__(self, make_target: Callable[[], Target], drain_timeout_s: float,
                  name: str) -> None:
-        self.target = make_target()
-        self.runner = Runner(self.target, progress=False, drain_timeout_s=drain_timeout_s,
+        self.runner = Runner(make_target(), progress=False, drain_timeout_s=drain_timeout_s,
                              generator_id=f"{name}@{socket.gethostname()}")
 
     async def start(self) -> None:
-        await self.target.start()
+        await self.runner.start()
 
     async def run(self, specs: Sequence[RequestSpec], arrivals: ArrivalConfig, label: str,
                   num_requests: int | None, share: Share) -> RunResult:
@@ -51,7 +50,7 @@ class LoadGenerator:
         return self.runner.finished_requests()
 
     async def close(self) -> None:
-        await self.target.close()
+        await self.runner.close()
 
 
 class RayDriver:

@@ -123,6 +123,12 @@ class Runner:
         self.generator_id = generator_id or f"{socket.gethostname()}:{os.getpid()}"
         self.live: _Live | None = None  # the run in progress, for progress reports
 
+    async def start(self) -> None:
+        await self.target.start()
+
+    async def close(self) -> None:
+        await self.target.close()
+
     def finished_requests(self) -> int:
         """Requests of the current run that have ended (for a remote progress bar)."""
         return 0 if self.live is None else self.live.done
@@ -233,17 +239,16 @@ class Runner:
         rec.error_code, rec.error_message = code, message
         rec.e2e_s = time.perf_counter() - start
 
-    async def sweep(self, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,
-                    rates: Sequence[float], num_requests: int | None = None,
-                    pause_s: float = 0.0) -> list[RunResult]:
-        return await sweep(self, specs, arrivals, rates, num_requests, pause_s)
-
 
 class Driver(Protocol):
-    """What runs one benchmark run: a `Runner` here, or one spread over Ray actors."""
+    """What runs benchmark runs: a `Runner` here, or one spread over Ray actors."""
+
+    async def start(self) -> None: ...
 
     async def run(self, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,
                   label: str = "run", num_requests: int | None = None) -> RunResult: ...
+
+    async def close(self) -> None: ...
 
 
 async def sweep(driver: Driver, specs: Sequence[RequestSpec], arrivals: ArrivalConfig,

@@ -142,12 +142,9 @@ class LoadAware:
         if best is None:
             return Choice(None, best_decode, "local_no_prefill")
         _, p, d = best
-        if self.local_prefill_max_tokens and self.queued(p, local) > self.saturated_queue_tokens:
+        if self.local_prefill_max_tokens and prefill_queue(p, local) > self.saturated_queue_tokens:
             return Choice(None, best_decode, "local_prefill_saturated")
         return Choice(p, d, "load")
-
-    def queued(self, p: WorkerRecord, local: LocalLoad) -> int:
-        return prefill_queue(p, local)
 
     def _prefix_holder(self, prefills: Sequence[WorkerRecord], decodes: list[WorkerRecord],
                        req: RouteInput, local: LocalLoad) -> Choice | None:
@@ -155,10 +152,10 @@ class LoadAware:
         saturated: load reports lag by up to a heartbeat, so weighing a cache hit against
         a queue that may already be gone would send the prompt elsewhere too often."""
         holders = [p for p in prefills if req.prefix_hits.get(p.worker_id, 0) > 0
-                   and self.queued(p, local) < self.saturated_queue_tokens]
+                   and prefill_queue(p, local) < self.saturated_queue_tokens]
         if not holders:
             return None
-        p = max(holders, key=lambda w: (req.prefix_hits[w.worker_id], -self.queued(w, local)))
+        p = max(holders, key=lambda w: (req.prefix_hits[w.worker_id], -prefill_queue(w, local)))
         fits = [d for d in decodes if compatible(p, d)]
         if not fits:
             return None

@@ -79,14 +79,20 @@ class ServerProcess:
         return scrape(self.metrics_port)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        os.killpg(self.proc.pid, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait()
+        if self.proc is not None:
+            stop_group(self.proc)
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM a server started in its own session, then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def scrape(port: int, **labels: str) -> dict[str, float]:

@@ -23,7 +23,7 @@ from services.registry.records import WorkerRecord
 from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry
 from tests.helpers.prompts import prompt_of_length
-from tests.helpers.servers import ServerProcess, free_port, scrape
+from tests.helpers.servers import ServerProcess, free_port, scrape, stop_group
 
 pytestmark = pytest.mark.engine
 
@@ -72,12 +72,7 @@ async def up(redis: RedisServer, session_dir: Path, model_path: Path) -> AsyncIt
             await client.wait_ready(timeout=900)
         yield stack
     finally:
-        if stack.proc.poll() is None:
-            os.killpg(stack.proc.pid, signal.SIGTERM)
-            try:
-                stack.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                os.killpg(stack.proc.pid, signal.SIGKILL)
+        stop_group(stack.proc, timeout=120)
 
 
 async def test_up_answers_like_colocated(up: Up, colocated: ServerProcess, tokenizer) -> None:  # type: ignore[no-untyped-def]
