@@ -1,0 +1,46 @@
+"""gRPC plumbing every pdserve process shares: channel and server options, how a
+channel to a peer is opened, and loopback helpers. Servers and channels are made here
+and nowhere else, so message limits, keepalives and (with issue-level security) TLS
+credentials are set in one place."""
+
+from __future__ import annotations
+
+import socket
+
+import grpc
+
+MAX_MESSAGE_BYTES = 64 << 20  # default largest gRPC message accepted or sent
+
+
+def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    return [
+        ("grpc.max_send_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Long streams stay open for minutes: keepalives find dead peers, and the
+        # server lets clients ping during idle streams.
+        ("grpc.keepalive_time_ms", 30_000),
+        ("grpc.keepalive_timeout_ms", 10_000),
+        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+        ("grpc.keepalive_permit_without_calls", 1),
+        # Channels to workers reconnect within seconds after a worker restarts.
+        ("grpc.initial_reconnect_backoff_ms", 200),
+        ("grpc.max_reconnect_backoff_ms", 2000),
+    ]
+
+
+def dial(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
+    """An asyncio channel to a pdserve peer (a worker, a router)."""
+    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free right now (for tests and local child processes that take a port
+    number; servers of our own bind port 0 and report what they got instead)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def local_host(bind_host: str) -> str:
+    """The address peers on this machine use for a server bound to `bind_host`."""
+    return "127.0.0.1" if bind_host in ("0.0.0.0", "::", "127.0.0.1", "") else bind_host
