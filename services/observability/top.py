@@ -1,0 +1,195 @@
+"""`pdserve top`: a live terminal view of a running stack, refreshed every second from
+the registry in Redis and each worker's Prometheus endpoint (`fleet`).
+
+    pdserve top                                # the local `pdserve up` stack
+    pdserve top --redis-url redis://:pw@127.0.0.1:6379/0 --once --json
+
+Through a Kubernetes port-forward (see docs/observability.md): forward the release's
+Redis, and each worker's metrics port with `--metrics WORKER=127.0.0.1:PORT`; workers
+without a reachable metrics port keep their Redis columns.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import sys
+import time
+from typing import Any
+
+from services.observability.fleet import Fleet, Row, Snapshot
+from services.registry.registry import Registry
+
+DESCRIPTION = ("A live view of a running stack, refreshed every --interval seconds: per worker "
+               "its role, host, restart epoch, queue, running requests, KV cache use (from "
+               "its record in Redis), prompt and generated tokens/s, KV GB/s received, "
+               "errors (failed KV transfers, requests vLLM ended with an error) and "
+               "migrations (from --router-metrics), from its Prometheus endpoint. Works "
+               "against `pdserve up` and, through port-forwards, a Helm release "
+               "(docs/observability.md).")
+COLUMNS = ("worker", "role", "host", "epoch", "queue", "running", "KV use", "in tok/s",
+           "out tok/s", "KV GB/s", "errors", "migrations", "heartbeat")
+
+
+def redact(url: str) -> str:
+    """A Redis URL without its password, for messages."""
+    return re.sub(r"//[^@/]*@", "//***@", url)
+
+
+def _num(value: float | int | None, digits: int = 0) -> str:
+    if value is None:
+        return "-"
+    return f"{value:,.{digits}f}"
+
+
+def cells(row: Row) -> list[str]:
+    """One worker's row as text (unknown figures as "-")."""
+    return [row.worker_id, row.role, row.host, str(row.epoch), str(row.queue),
+            f"{row.running}/{row.capacity}", f"{row.kv_usage * 100:.1f}%",
+            _num(row.prompt_tokens_per_s), _num(row.generation_tokens_per_s),
+            _num(row.kv_gbytes_per_s, 3), _num(row.errors), _num(row.migrations),
+            f"{row.heartbeat_age_s:.1f}s ago"]
+
+
+def render(snap: Snapshot, source: str, problem: str = "") -> Any:
+    """A rich Table of the snapshot (a renderable for Live or Console.print)."""
+    from rich.table import Table
+
+    when = time.strftime("%H:%M:%S", time.localtime(snap.taken_at))
+    table = Table(title=f"pdserve top: {len(snap.rows)} workers, {source}, {when}",
+                  title_justify="left", expand=False)
+    for name in COLUMNS:
+        table.add_column(name, justify="left" if name in ("worker", "role", "host")
+                         else "right", no_wrap=True)
+    for row in snap.rows:
+        style = "" if row.metrics else "dim"
+        table.add_row(*cells(row), style=style)
+    notes = []
+    if any(not r.metrics for r in snap.rows):
+        notes.append("dim rows: metrics not reachable (Redis figures only; see --metrics)")
+    for address, total in snap.routers.items():
+        notes.append(f"router {address}: " + ("metrics not reachable" if total is None
+                                              else f"{total:.0f} migrations"))
+    if problem:
+        notes.append(problem)
+    table.caption = "\n".join(notes) or None
+    table.caption_justify = "left"
+    return table
+
+
+def redis_url(given: str) -> str:
+    """--redis-url, else $PDSERVE_REDIS_URL, else the local `pdserve up` stack's."""
+    if given or os.environ.get("PDSERVE_REDIS_URL"):
+        return given or os.environ["PDSERVE_REDIS_URL"]
+    from services.launcher.up import state_path
+
+    try:
+        return str(json.loads(state_path().read_text())["redis_url"])
+    except (OSError, ValueError, KeyError) as e:
+        raise RuntimeError("no local pdserve stack found (`pdserve up` writes where its "
+                           "Redis is); pass --redis-url") from e
+
+
+def overrides(pairs: list[str]) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for pair in pairs:
+        worker, sep, address = pair.partition("=")
+        if not sep or not worker or ":" not in address:
+            raise ValueError(f"--metrics {pair!r}: expected WORKER=HOST:PORT")
+        out[worker] = address
+    return out
+
+
+async def run(args: argparse.Namespace) -> int:
+    url = redis_url(args.redis_url)
+    registry = Registry.from_url(url, prefix=args.prefix)
+    fleet = Fleet(registry, overrides(args.metrics), args.router_metrics)
+    source = f"Redis {redact(url)}"
+    try:
+        if args.once:
+            await fleet.snapshot()  # rates need two scrapes, `interval` apart
+            await asyncio.sleep(args.interval)
+            snap = await fleet.snapshot()
+            if args.json:
+                print(json.dumps(snap.to_dict(), indent=2))
+            else:
+                from rich.console import Console
+
+                # Piped into a script or a file: the whole row, never cut to 80 columns.
+                Console(width=None if sys.stdout.isatty() else 240).print(render(snap, source))
+            return 0
+        await live(fleet, source, args.interval)
+        return 0
+    finally:
+        await registry.close()
+
+
+async def live(fleet: Fleet, source: str, interval: float) -> None:
+    """Redraw every `interval` seconds until Ctrl-C; a lost Redis is shown, not fatal."""
+    from rich.console import Console
+    from rich.live import Live
+
+    snap, problem = Snapshot([]), ""
+    with Live(render(snap, source), console=Console(), auto_refresh=False) as view:
+        while True:
+            try:
+                snap, problem = await fleet.snapshot(), ""
+            except Exception as e:  # Redis away: keep the last rows, say why, retry
+                problem = f"registry not readable: {type(e).__name__}: {e}"
+            view.update(render(snap, source, problem), refresh=True)
+            await asyncio.sleep(interval)
+
+
+def flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default="", help="the stack's Redis (redis:// or "
+                   "rediss://, password in the URL); default: $PDSERVE_REDIS_URL, else the "
+                   "local `pdserve up` stack's. Signed records need the stack's "
+                   "PDSERVE_CLUSTER_SECRET(_FILE) in the environment")
+    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes; "
+                   "with --once, between the two scrapes the rates come from (default 1)")
+    p.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    p.add_argument("--json", action="store_true", help="with --once: one JSON object "
+                   "(rates null when unknown) instead of a table")
+    p.add_argument("--metrics", action="append", default=[], metavar="WORKER=HOST:PORT",
+                   help="read this worker's metrics at HOST:PORT (a port-forward) instead of "
+                   "its registered address and metrics port (repeatable)")
+    p.add_argument("--router-metrics", action="append", default=[], metavar="HOST:PORT",
+                   help="a router's metrics endpoint: migrations per worker come from there "
+                   "(repeatable)")
+    p.add_argument("--prefix", default="pdserve:", help="the registry's Redis key prefix")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register `pdserve top` on the CLI's subparsers."""
+    p = subparsers.add_parser(
+        "top", help="a live view of a running stack: per worker its role, host, epoch, "
+        "queue, running requests, KV usage, tokens/s, KV GB/s, errors and migrations",
+        description=DESCRIPTION)
+    flags(p)
+    p.set_defaults(func=main)
+    return p
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.interval <= 0:
+        print("error: --interval must be positive", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(run(args))
+    except KeyboardInterrupt:
+        return 0
+    except (RuntimeError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # Redis errors: the URL is wrong or Redis is down
+        print(f"error: cannot read the registry: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(prog="pdserve top", description=DESCRIPTION)
+    flags(parser)
+    sys.exit(main(parser.parse_args()))
