@@ -1,0 +1,1 @@
+"""`pdserve plan`: profile the engine, simulate the fleet, choose a configuration."""

@@ -1,0 +1,222 @@
+"""``pdserve plan``: ``profile`` measures the engine's cost model on this machine,
+``predict`` simulates every configuration on a workload and recommends one.
+
+Wired into the main CLI with ``add_parser(subparsers)``; also runnable on its own as
+``python -m services.plan.cli plan predict ...``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from services.bench.cli import (
+    _add_arrival_args,
+    _add_workload_args,
+    _Formatter,
+    arrival_config,
+    parse_slos,
+    request_count,
+    workload_config,
+)
+
+DEFAULT_PROFILE = "bench-results/plan/profile.json"
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers: {text}") from e
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"values must be >= 0: {text}")
+    return values
+
+
+def _profile(args: argparse.Namespace) -> int:
+    from services.engine.config import EngineConfig
+    from services.engine.model import ModelPrepareError
+    from services.engine.reaper import reap_children_on_exit
+    from services.plan.profile import QUICK, Grid, describe, run_profile
+
+    reap_children_on_exit()
+    base = EngineConfig.model_validate({
+        "model": args.model, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
+        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs})
+    grid = QUICK if args.quick else Grid()
+    if args.no_transports:
+        grid = dataclasses.replace(grid, transports=())
+    try:
+        profile = run_profile(base, grid, progress=not args.no_progress)
+    except ModelPrepareError as e:
+        print(f"pdserve plan: error: {e}", file=sys.stderr)
+        return 1
+    out = Path(args.out)
+    profile.save(out)
+    print(describe(profile))
+    print(f"profile ({profile.fit['profile_s']:.0f} s): {out}")
+    return 0
+
+
+def _print_predictions(rows: list[dict[str, Any]], also: bool) -> None:
+    head = (f"{'configuration':<28} {'rate':>5} {'done':>8} {'TTFT p50':>8} {'p99':>7} "
+            f"{'TPOT p50':>8} {'ITL p99':>7} {'goodput':>8}")
+    print(head + (f" {'2nd SLOs':>8}" if also else ""))
+    for r in rows:
+        line = (f"{r['config']:<28} {r['rate']:>5g} {r['completed']:>4}/{r['requests']:<3} "
+                f"{_s(r['ttft_p50']):>8} {_s(r['ttft_p99']):>7} {_s(r['tpot_p50']):>8} "
+                f"{_s(r['itl_p99']):>7} {r['goodput']:>8.3f}")
+        print(line + (f" {r['goodput_also']:>8.3f}" if also else ""))
+
+
+def _s(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def _predict(args: argparse.Namespace) -> int:
+    from services.bench.workload import load_tokenizer
+    from services.plan.configs import configurations, helm_values, to_yaml, up_flags
+    from services.plan.costmodel import Profile
+    from services.plan.plots import goodput_vs_rate
+    from services.plan.predict import best_per_rate, predict_all, rank
+
+    profile = Profile.load(Path(args.profile))
+    rates = list(args.rates)
+    if any(math.isinf(r) for r in rates):
+        raise ValueError("predictions need finite rates")
+    slos, also = parse_slos(args.slo), parse_slos(args.also_slo) if args.also_slo else None
+    n = request_count(args, rates)
+    workload = workload_config(args, min(n, 10_000))
+    arrivals = arrival_config(args, rates[0])
+    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    units = args.units or profile.units_total
+    configs = configurations(profile, units, args.budgets, args.thresholds, args.engine_units,
+                             transport=args.transport)
+    if not profile.transports:
+        configs = [c for c in configs if c.prefill is None]
+        print("the profile has no KV transport: disaggregated configurations left out")
+    predictions, took = predict_all(configs, profile, workload, arrivals, rates, n, slos,
+                                    also, args.drain_timeout, not args.no_progress, tokenizer)
+    rows = [p.row() for p in predictions]
+    _print_predictions(rows, also is not None)
+    ranking = rank(predictions)
+    print(f"\n{len(configs)} configurations x {len(rates)} rates simulated in {took:.1f} s")
+    print("ranking by goodput summed over the rates (req/s):")
+    for name, total, per_rate in ranking[:5]:
+        print(f"  {name:<28} {total:.3f}  ({', '.join(f'{g:.3f}' for g in per_rate)})")
+    per_rate_best = best_per_rate(predictions)
+    print("best per rate: " + ", ".join(f"{r:g} req/s: {c}" for r, c in per_rate_best.items()))
+    chosen = next(c for c in configs if c.name == ranking[0][0])
+    print(f"\nrecommended: {chosen.name}\n  " + " ".join(up_flags(chosen, profile)))
+    print("Helm values:\n" + to_yaml(helm_values(chosen, profile), 2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "profile": args.profile, "rates": rates, "slos": slos.as_dict(),
+            "also_slos": also.as_dict() if also else None, "seconds": took,
+            "predictions": rows, "ranking": ranking,
+            "best_per_rate": {str(k): v for k, v in per_rate_best.items()},
+            "recommended": {"config": chosen.name, "up": up_flags(chosen, profile),
+                            "helm": helm_values(chosen, profile)}}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    if args.plot:
+        goodput_vs_rate(predictions, Path(args.plot),
+                        f"predicted goodput ({profile.model.get('name')}, simulation)")
+        print(f"plot: {args.plot}")
+    return 0
+
+
+def _guarded(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """Bad input and unreadable files end with a message and exit code 2, not a trace."""
+    try:
+        return int(body(args))
+    except (ValueError, OSError, KeyError) as exc:
+        print(f"pdserve plan: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    return _guarded(_profile, args)
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    return _guarded(_predict, args)
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Adds ``plan`` with ``profile`` and ``predict`` to the main CLI."""
+    plan = subparsers.add_parser("plan", help="profile the engine and choose a configuration",
+                                 description="Measure the engine's cost model, then predict "
+                                 "every configuration's latency and goodput on a workload.",
+                                 formatter_class=_Formatter)
+    plan.set_defaults(func=lambda _: (plan.print_help(), 2)[1])
+    sub = plan.add_subparsers(dest="plan_command", metavar="{profile,predict}")
+    prof = sub.add_parser("profile", formatter_class=_Formatter,
+                          help="measure prefill, decode and KV transfer costs (a few minutes)",
+                          description="Measures the cost model with the real engine on "
+                          "this machine: prefill time against prompt tokens and step budget, "
+                          "decode step time against batch size and context, one core vs all "
+                          "cores, and KV transport throughput. Run it alone on the machine.")
+    prof.add_argument("--out", default=DEFAULT_PROFILE, help="profile JSON to write")
+    prof.add_argument("--model", default="", help="HF model folder (default: the prepared "
+                      "default model)")
+    prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
+                                                          "float16"], help="engine dtype")
+    prof.add_argument("--kv-cache-gib", type=float, default=2.0,
+                      help="CPU: the KV cache size the served engines will have")
+    prof.add_argument("--max-model-len", type=int, default=2048, help="context length")
+    prof.add_argument("--max-num-seqs", type=int, default=64,
+                      help="most sequences in one step (as the served engines)")
+    prof.add_argument("--quick", action="store_true",
+                      help="a tiny grid on one engine (seconds of measuring; for tests)")
+    prof.add_argument("--no-transports", action="store_true", help="skip the KV transports")
+    prof.add_argument("--no-progress", action="store_true", help="no progress bar")
+    prof.set_defaults(func=cmd_profile)
+
+    pred = sub.add_parser("predict", formatter_class=_Formatter,
+                          help="simulate configurations on a workload and recommend one",
+                          description="Simulates colocated serving (default and tuned step "
+                          "budgets), each P:D split and conditional disaggregation on one "
+                          "seeded `pdserve bench` schedule, predicts TTFT/TPOT/ITL and goodput, "
+                          "ranks them and prints the best as `pdserve up` flags and Helm values.")
+    pred.add_argument("--profile", default=DEFAULT_PROFILE, help="profile JSON to use")
+    pred.add_argument("--units", type=int, default=0,
+                      help="cores (or GPUs) to plan for (default: the profiled host's)")
+    pred.add_argument("--engine-units", type=int, default=1,
+                      help="cores (or GPUs) per disaggregated worker")
+    pred.add_argument("--budgets", type=_ints, default=(128, 256, 512), metavar="N,N",
+                      help="tuned step budgets (max_num_batched_tokens) for colocated")
+    pred.add_argument("--thresholds", type=_ints, default=(128, 256, 512, 1024),
+                      metavar="N,N", help="conditional disaggregation thresholds "
+                      "(local_prefill_max_tokens)")
+    pred.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
+                      help="KV transport of disaggregated configurations")
+    _add_workload_args(pred)
+    _add_arrival_args(pred, sweep=True)
+    pred.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
+                      help="SLOs ranked by (repeatable; ttft, tpot, itl, e2e), e.g. "
+                      "--slo ttft=4 --slo tpot=0.1 (default: none)")
+    pred.add_argument("--also-slo", action="append", default=[], metavar="NAME=SECONDS",
+                      help="a second SLO family to report, e.g. --also-slo itl=0.3 "
+                      "(default: none)")
+    pred.add_argument("--json", default="", help="write the predictions here (default: none)")
+    pred.add_argument("--plot", default="", help="goodput vs rate PNG (default: none)")
+    pred.add_argument("--no-progress", action="store_true", help="no progress bar")
+    pred.set_defaults(func=cmd_predict, prompt_as="token-ids")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

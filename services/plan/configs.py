@@ -1,0 +1,110 @@
+"""The configurations the planner compares, and a chosen one written out as `pdserve up`
+flags and Helm values (the chart's keys: helm/pdserve/values.yaml)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from services.plan.costmodel import Profile
+from services.plan.fleet import FleetConfig, PoolSpec
+
+DEFAULT_BUDGETS = (128, 256, 512)
+DEFAULT_THRESHOLDS = (128, 256, 512, 1024)
+
+
+def configurations(profile: Profile, units: int, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
+                   thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS, engine_units: int = 1,
+                   max_splits: int = 8, transport: str = "grpc") -> list[FleetConfig]:
+    """Colocated (one engine on every unit at the default and each tuned budget; and one
+    engine per ``engine_units`` where that is a different fleet), every P:D split of
+    ``units`` into pools of ``engine_units``-sized engines (at most ``max_splits`` of them,
+    evenly spread), and conditional disaggregation at each threshold on the split with
+    the most decode capacity that still has a prefill pool."""
+    if units < 1 or engine_units < 1:
+        raise ValueError("units and engine_units must be >= 1")
+    out: list[FleetConfig] = []
+    whole = units if profile.unit == "core" else engine_units
+    count = units // whole
+    out.append(FleetConfig("colocated_default", PoolSpec(count, whole)))
+    for b in budgets:
+        out.append(FleetConfig(f"colocated_b{b}", PoolSpec(count, whole, b)))
+    engines = units // engine_units
+    if engines > count:
+        out.append(FleetConfig(f"colocated_{engines}x{engine_units}",
+                               PoolSpec(engines, engine_units)))
+    splits = list(range(1, engines))
+    if len(splits) > max_splits:
+        step = (len(splits) - 1) / (max_splits - 1)
+        splits = sorted({splits[round(i * step)] for i in range(max_splits)})
+    for p in splits:
+        out.append(FleetConfig(f"disagg_{p}p{engines - p}d", PoolSpec(engines - p, engine_units),
+                               PoolSpec(p, engine_units), transport=transport))
+    if splits:
+        p = splits[0] if profile.unit == "core" else max(1, splits[len(splits) // 3])
+        for t in thresholds:
+            out.append(FleetConfig(f"conditional_{p}p{engines - p}d_t{t}",
+                                   PoolSpec(engines - p, engine_units),
+                                   PoolSpec(p, engine_units), local_prefill_max_tokens=t,
+                                   transport=transport))
+    return out
+
+
+def _cores(first: int, count: int) -> str:
+    return str(first) if count == 1 else f"{first}-{first + count - 1}"
+
+
+def up_flags(cfg: FleetConfig, profile: Profile) -> list[str]:
+    """The `pdserve up` command line that runs ``cfg`` (colocated as decode workers that
+    prefill their own prompts: no prefill pool)."""
+    flags = ["pdserve", "up", "--prefill", str(cfg.prefill.engines if cfg.prefill else 0),
+             "--decode", str(cfg.decode.engines)]
+    budget = cfg.decode.max_num_batched_tokens
+    if budget:
+        flags += ["--max-num-batched-tokens", str(budget)]
+    if cfg.local_prefill_max_tokens:
+        flags += ["--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens)]
+    if cfg.prefill:
+        flags += ["--kv-transport", cfg.transport]
+    if profile.unit == "core":
+        p_units = cfg.prefill.units if cfg.prefill else 0
+        if cfg.prefill:
+            flags += ["--prefill-cores", _cores(0, p_units)]
+        flags += ["--decode-cores", _cores(p_units, cfg.decode.units)]
+    return flags
+
+
+def helm_values(cfg: FleetConfig, profile: Profile) -> dict[str, Any]:
+    """The chart values that run ``cfg``."""
+    values: dict[str, Any] = {
+        "prefill": {"replicas": cfg.prefill.engines if cfg.prefill else 0},
+        "decode": {"replicas": cfg.decode.engines},
+    }
+    if cfg.decode.max_num_batched_tokens:
+        values["engine"] = {"max_num_batched_tokens": cfg.decode.max_num_batched_tokens}
+    if cfg.local_prefill_max_tokens:
+        values["router"] = {"settings": {
+            "local_prefill_max_tokens": cfg.local_prefill_max_tokens}}
+    if cfg.prefill:
+        values["worker"] = {"kv_transport": cfg.transport}
+    if profile.unit == "core":
+        for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            if pool is not None:
+                values[role]["resources"] = {"requests": {"cpu": str(pool.units)}}
+    else:
+        for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
+            if pool is not None:
+                values[role]["resources"] = {"limits": {"nvidia.com/gpu": pool.units}}
+    return values
+
+
+def to_yaml(value: Any, indent: int = 0) -> str:
+    """A small YAML writer for nested dicts of scalars (no dependency for four lines)."""
+    lines = []
+    for key, item in value.items():
+        if isinstance(item, dict):
+            lines.append(" " * indent + f"{key}:")
+            lines.append(to_yaml(item, indent + 2))
+        else:
+            text = f'"{item}"' if isinstance(item, str) else str(item)
+            lines.append(" " * indent + f"{key}: {text}")
+    return "\n".join(lines)

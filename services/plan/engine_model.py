@@ -1,0 +1,169 @@
+"""A pure model of one vLLM engine's scheduler (v1, chunked prefill on), stepped by the
+fleet simulation. No clock of its own: the caller says when a step starts.
+
+Each step, as vLLM's scheduler does: every running decoding sequence gets one token; the
+rest of the token budget (``max_num_batched_tokens``) goes to prompts already being
+prefilled, in admission order, then to waiting requests in arrival order, while fewer than
+``max_num_seqs`` are running and the KV cache has room; a prompt that does not fit the
+budget is split into chunks over several steps. A request emits a token at the end of the
+step that computes the last chunk of its prompt, then one per step.
+
+Two simplifications, both exact while the KV cache is not the bottleneck: a request
+reserves KV for its whole length (prompt + output) when admitted, so nothing is ever
+preempted (vLLM admits on the prompt and preempts on overflow); and the engine's step
+time is the cost model's, with no noise.
+
+Decoding sequences are kept lazily: a sequence that joined the decode set after step j
+and must emit r more tokens leaves after step j + r, and the sum of their contexts grows
+by the number of decoders each step, so a decode step costs O(1) however large the batch.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.plan.costmodel import StepCost, chunk_attention
+
+
+@dataclass(slots=True, frozen=True)
+class EngineLimits:
+    """The scheduler's limits (vLLM's names)."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    kv_cache_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
+            raise ValueError("the step budget and max_num_seqs must be >= 1")
+        if self.kv_cache_tokens < 1:
+            raise ValueError("the KV cache must hold at least one token")
+
+
+@dataclass(slots=True, eq=False)
+class Job:
+    """A request as one engine sees it."""
+
+    rid: int
+    prompt: int  # tokens this engine computes before it emits (1 for a shipped request)
+    out: int  # tokens this engine emits
+    context: int = 0  # tokens already in its KV cache (a shipped request's prompt less one)
+    handoff_s: float = 0.0  # stall added to the step that first schedules it
+    computed: int = 0
+    scheduled_at: float = -1.0  # when a step first scheduled it
+    join: int = -1  # the step whose end emitted its first token here
+    finish: int = -1  # the step whose end emitted its last token here
+
+    @property
+    def length(self) -> int:
+        return self.context + self.prompt + self.out
+
+
+@dataclass(slots=True)
+class EngineSim:
+    """One engine: a waiting queue, the sequences running, and the step in flight."""
+
+    cost: StepCost
+    limits: EngineLimits
+    name: str = "engine"
+    waiting: deque[Job] = field(default_factory=deque)
+    prefilling: list[Job] = field(default_factory=list)
+    ends: list[float] = field(default_factory=list)  # end time of every finished step
+    kv_used: int = 0
+    queued_tokens: int = 0  # prompt tokens not computed yet (the router's prefill load)
+    decoders: int = 0
+    _dec_ctx_sum: int = 0  # contexts of the decoders at the next step
+    _finish_heap: list[tuple[int, int, Job]] = field(default_factory=list)
+    _sched: list[tuple[Job, int]] = field(default_factory=list)
+    _step_decoders: int = 0
+    step_end: float | None = None  # end of the step in flight; None when idle
+    busy_s: float = 0.0
+
+    @property
+    def running(self) -> int:
+        return self.decoders + len(self.prefilling)
+
+    def submit(self, job: Job) -> None:
+        if job.length > self.limits.kv_cache_tokens:
+            raise ValueError(f"request {job.rid} ({job.length} tokens) can never fit the "
+                             f"KV cache of {self.limits.kv_cache_tokens} tokens")
+        self.waiting.append(job)
+        self.queued_tokens += job.prompt
+
+    def start_step(self, now: float) -> float | None:
+        """Schedules the next step at ``now``; returns its end, or None with no work."""
+        assert self.step_end is None, "a step is already in flight"
+        budget = self.limits.max_num_batched_tokens - self.decoders
+        sched: list[tuple[Job, int]] = []
+        tokens, attention, stall = 0, 0.0, 0.0
+        for job in self.prefilling:
+            if budget <= 0:
+                break
+            chunk = min(job.prompt - job.computed, budget)
+            sched.append((job, chunk))
+            budget -= chunk
+        while self.waiting and budget > 0 and self.running < self.limits.max_num_seqs:
+            job = self.waiting[0]
+            if self.kv_used + job.length > self.limits.kv_cache_tokens:
+                break  # head of line waits for KV room, as vLLM's FCFS queue does
+            self.waiting.popleft()
+            self.kv_used += job.length
+            self.prefilling.append(job)
+            job.scheduled_at = now
+            stall += job.handoff_s
+            chunk = min(job.prompt, budget)
+            sched.append((job, chunk))
+            budget -= chunk
+        if not sched and not self.decoders:
+            return None
+        for job, chunk in sched:
+            tokens += chunk
+            attention += chunk_attention(chunk, job.context + job.computed)
+        context = self._dec_ctx_sum / 1e6 if self.decoders else 0.0
+        duration = self.cost.step_s(tokens, self.decoders, attention, context) + stall
+        self._sched, self._step_decoders = sched, self.decoders
+        self.step_end = now + duration
+        self.busy_s += duration
+        return self.step_end
+
+    def finish_step(self) -> tuple[list[Job], list[Job]]:
+        """Ends the step in flight: returns (jobs that emitted their first token here,
+        jobs that emitted their last). A job with one token to emit is in both."""
+        assert self.step_end is not None, "no step in flight"
+        step = len(self.ends)
+        self.ends.append(self.step_end)
+        self.step_end = None
+        self._dec_ctx_sum += self._step_decoders
+        firsts: list[Job] = []
+        done: list[Job] = []
+        while self._finish_heap and self._finish_heap[0][0] == step:
+            _, _, job = heapq.heappop(self._finish_heap)
+            self.decoders -= 1
+            self._dec_ctx_sum -= job.context + job.prompt + 1 + (step - job.join)
+            self.kv_used -= job.length
+            done.append(job)
+        for job, chunk in self._sched:
+            job.computed += chunk
+            self.queued_tokens -= chunk
+            if job.computed < job.prompt:
+                continue
+            self.prefilling.remove(job)
+            job.join = step
+            firsts.append(job)
+            if job.out <= 1:
+                job.finish = step
+                self.kv_used -= job.length
+                done.append(job)
+            else:
+                job.finish = step + job.out - 1
+                self.decoders += 1
+                self._dec_ctx_sum += job.context + job.prompt + 1
+                heapq.heappush(self._finish_heap, (job.finish, job.rid, job))
+        self._sched = []
+        return firsts, done
+
+    def token_times(self, job: Job) -> list[float]:
+        """When each of the job's tokens left this engine (its steps' ends)."""
+        return self.ends[job.join: job.finish + 1]

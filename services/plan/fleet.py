@@ -1,0 +1,217 @@
+"""Discrete-event simulation of a pdserve fleet: the router, the prefill and decode pools
+(each engine an ``EngineSim``), and the KV transfer between them.
+
+Events are arrivals, engine step ends and KV arrivals, taken in time order. The router
+decides at arrival, with the policy pdserve's ``LoadAware`` uses: prompts up to
+``local_prefill_max_tokens`` (or any prompt while the chosen prefill worker has more than
+``saturated_queue_tokens`` queued, when that threshold is on) prefill on the decode
+worker; otherwise the prefill worker with the fewest queued prompt tokens, and the decode
+worker with the least load (running + waiting sequences per ``max_num_seqs``). Without a
+prefill pool every request runs start to end on a decode-pool engine: colocated serving.
+
+A shipped request's first token leaves the prefill worker at the end of its last prefill
+step. Its KV streams layer by layer while the prompt computes, so it lands at the later of
+(the prefill's first step + the whole transfer) and (the prefill's end + one layer's
+share); then the decode worker admits it like any request, with one token left to
+compute, and the step that admits it is longer by the receiver's CPU cost where the
+transport takes CPU from the engine (CPU hosts).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+from services.plan.costmodel import Profile
+from services.plan.engine_model import EngineLimits, EngineSim, Job
+
+ARRIVE, STEP, KV_READY = 0, 1, 2
+
+
+@dataclass(slots=True, frozen=True)
+class PoolSpec:
+    """``engines`` engines of ``units`` cores (or GPUs) each."""
+
+    engines: int
+    units: int
+    max_num_batched_tokens: int = 0  # 0: the profile's default budget
+
+
+@dataclass(slots=True, frozen=True)
+class FleetConfig:
+    """One configuration to simulate; ``prefill`` None means colocated."""
+
+    name: str
+    decode: PoolSpec
+    prefill: PoolSpec | None = None
+    local_prefill_max_tokens: int = 0
+    transport: str = "grpc"
+    saturated_queue_tokens: int = 8192
+
+    @property
+    def units(self) -> int:
+        pools = [self.decode] + ([self.prefill] if self.prefill else [])
+        return sum(p.engines * p.units for p in pools)
+
+
+@dataclass(slots=True, frozen=True)
+class SimRequest:
+    """One request of the schedule."""
+
+    send_s: float
+    prompt: int
+    out: int
+    kind: str = ""
+
+
+@dataclass(slots=True)
+class SimResult:
+    """When each token of one request reached the client (seconds after the run start)."""
+
+    request: SimRequest
+    token_times: list[float] = field(default_factory=list)
+    ok: bool = True
+    path: str = "local"  # local (prefilled where it decodes) or shipped
+
+    @property
+    def end_s(self) -> float:
+        return self.token_times[-1] if self.token_times else self.request.send_s
+
+
+@dataclass(slots=True)
+class _Flight:
+    """A request in flight: where it is and what it has emitted."""
+
+    index: int
+    decode_engine: int
+    first_s: float = -1.0
+    overhead_s: float = 0.0
+
+
+class Fleet:
+    """The simulation of one configuration over one schedule."""
+
+    def __init__(self, config: FleetConfig, profile: Profile) -> None:
+        self.config, self.profile = config, profile
+        if config.transport not in profile.transports and config.prefill is not None:
+            raise ValueError(f"the profile has no transport {config.transport!r}")
+        self.decodes = [self._engine(config.decode, f"decode{i}")
+                        for i in range(config.decode.engines)]
+        self.prefills = ([self._engine(config.prefill, f"prefill{i}")
+                          for i in range(config.prefill.engines)] if config.prefill else [])
+        self.engines = self.decodes + self.prefills
+        self._heap: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+
+    def _engine(self, pool: PoolSpec, name: str) -> EngineSim:
+        limits = EngineLimits(pool.max_num_batched_tokens
+                              or self.profile.default_max_num_batched_tokens,
+                              self.profile.max_num_seqs, self.profile.kv_cache_tokens)
+        return EngineSim(self.profile.cost(pool.units), limits, name)
+
+    def _push(self, time: float, kind: int, arg: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._heap, (time, self._seq, kind, arg))
+
+    def _kick(self, idx: int, now: float) -> None:
+        engine = self.engines[idx]
+        if engine.step_end is None:
+            end = engine.start_step(now)
+            if end is not None:
+                self._push(end, STEP, idx)
+
+    def _decode_choice(self) -> int:
+        def load(i: int) -> float:
+            e = self.decodes[i]
+            return (e.running + len(e.waiting)) / e.limits.max_num_seqs
+        return min(range(len(self.decodes)), key=load)
+
+    def _route(self, flight: _Flight, req: SimRequest, now: float) -> None:
+        cfg = self.config
+        d = flight.decode_engine = self._decode_choice()
+        local = not self.prefills or req.prompt <= cfg.local_prefill_max_tokens
+        p = -1
+        if not local:
+            p = min(range(len(self.prefills)), key=lambda i: self.prefills[i].queued_tokens)
+            saturated = self.prefills[p].queued_tokens > cfg.saturated_queue_tokens
+            local = cfg.local_prefill_max_tokens > 0 and saturated
+        if local:
+            engine, idx = self.decodes[d], d
+            job = Job(flight.index, req.prompt, req.out)
+            self.results[flight.index].path = "local"
+        else:
+            engine, idx = self.prefills[p], len(self.decodes) + p
+            job = Job(flight.index, req.prompt, 1)
+            self.results[flight.index].path = "shipped"
+        flight.overhead_s = engine.cost.request_s
+        engine.submit(job)
+        self._kick(idx, now)
+
+    def _shipped(self, flight: _Flight, job: Job, end: float) -> None:
+        """A prefill finished: its KV is on its way to the decode worker."""
+        req = self.requests[flight.index]
+        if req.out <= 1:
+            return
+        transport = self.profile.transports[self.config.transport]
+        nbytes = req.prompt * self.profile.kv_bytes_per_token
+        whole = transport.transfer_s(nbytes)
+        layers = max(1, int(self.profile.model.get("layers", 1)))
+        ready = max(job.scheduled_at + whole, end + whole / layers)
+        stall = transport.receiver_cpu_s_per_gb * nbytes / 1e9
+        self._pending[flight.index] = Job(flight.index, 1, req.out - 1, req.prompt - 1, stall)
+        self._push(ready, KV_READY, flight.index)
+
+    def _step_done(self, idx: int, now: float) -> None:
+        engine = self.engines[idx]
+        firsts, done = engine.finish_step()
+        on_prefill = idx >= len(self.decodes)
+        for job in firsts:
+            flight = self._flights[job.rid]
+            if flight.first_s < 0:
+                flight.first_s = now
+                if on_prefill:
+                    self.results[job.rid].token_times.append(now + flight.overhead_s)
+                    self._shipped(flight, job, now)
+        for job in done:
+            if on_prefill:
+                continue
+            times = engine.token_times(job)
+            shift = self._flights[job.rid].overhead_s
+            self.results[job.rid].token_times.extend(t + shift for t in times)
+        self._kick(idx, now)
+
+    def run(self, requests: list[SimRequest], horizon_s: float | None = None,
+            ) -> list[SimResult]:
+        """Simulates every request to its end; those that end after ``horizon_s`` (the
+        benchmark's duration plus its drain timeout) are marked failed, as the benchmark
+        cancels them. A request that can never fit an engine's KV cache fails at once."""
+        self.requests = requests
+        self.results = [SimResult(r) for r in requests]
+        self._flights: dict[int, _Flight] = {}
+        self._pending: dict[int, Job] = {}
+        capacity = self.profile.kv_cache_tokens
+        for i, r in enumerate(requests):
+            self._push(r.send_s, ARRIVE, i)
+        while self._heap:
+            now, _, kind, arg = heapq.heappop(self._heap)
+            if kind == STEP:
+                self._step_done(arg, now)
+            elif kind == ARRIVE:
+                req = requests[arg]
+                if req.prompt + req.out > capacity:
+                    self.results[arg].ok = False
+                    continue
+                self._flights[arg] = flight = _Flight(arg, 0)
+                self._route(flight, req, now)
+            else:
+                flight = self._flights[arg]
+                self.decodes[flight.decode_engine].submit(self._pending.pop(arg))
+                self._kick(flight.decode_engine, now)
+        for res in self.results:
+            if horizon_s is not None and res.end_s > horizon_s:
+                res.ok = False
+        return self.results
+
+    def utilization(self, span_s: float) -> dict[str, float]:
+        """Busy share of each engine over ``span_s`` seconds."""
+        return {e.name: e.busy_s / span_s if span_s > 0 else 0.0 for e in self.engines}
