@@ -15,7 +15,7 @@ from typing import Any
 from services.api.server import ServerConfig
 from services.engine.config import EngineConfig
 from services.router.config import RouterConfig
-from services.workers import WorkerConfig
+from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class ServiceActor:
 
     async def _worker(self, role: str, server_cfg: ServerConfig, engine_cfg: EngineConfig,
                       worker_cfg: WorkerConfig) -> None:
-        from services.workers import run_worker
+        from services.worker.serve import run_worker
 
         await run_worker(role, engine_cfg, server_cfg, worker_cfg,  # type: ignore[arg-type]
                          on_ready=self._ready)

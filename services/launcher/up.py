@@ -1,42 +1,65 @@
 """`pdserve up | scale | down`: the whole stack on Ray.
 
-`pdserve up` starts (or joins) a Ray cluster, starts `redis-server` on loopback when no
-Redis URL is given, and keeps the router and the prefill and decode pools at their
-desired sizes: a supervisor loop reconciles named actors with the sizes stored in Redis
-(`pdserve scale` writes them, `pdserve down` asks for shutdown). Ray restarts a crashed
-actor (a new engine with a new restart epoch); the supervisor replaces one that is gone.
+`pdserve up` starts (or joins) a Ray cluster and, when no Redis URL is given, a
+`redis-server` on loopback with a generated password. It signs what it keeps in Redis
+under a cluster secret (generated unless one is set) and hands the Redis URL and the
+secret to its actors. Then it keeps the router and the prefill and decode pools at their
+desired sizes, every second:
+
+- reconcile: the desired sizes come from Redis (`pdserve scale` writes them, `pdserve
+  down` asks for shutdown; signed, see `desired.py`); missing actors are started, extra
+  ones stopped, and the launcher puts its state back if the key is gone or forged;
+- watchdog: a local redis-server that died is started again on the same port with the
+  same password, and the desired sizes are written back at once (workers re-register
+  with their next heartbeat; routers keep their last view meanwhile);
+- probes: the supervisor (`supervisor.py`) probes each actor and kills one that hangs or
+  whose service stopped, so Ray restarts it; Ray itself restarts actors that crash.
+
+A local Ray cluster uses a loopback node address, no dashboard and Ray's token
+authentication (on by default in this Ray). Ray still binds its GCS, raylet, object
+manager and every worker's core-worker port on all interfaces (they take no bind
+address); those are Ray's, token-authenticated. pdserve's own ports (router, workers,
+metrics, KV receiver, Redis, the supervisor's metrics) are on loopback in a local stack.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import signal
-from dataclasses import dataclass
-from pathlib import Path
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
+from prometheus_client import Counter
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.api.server import ServerConfig
-from services.engine.config import EngineConfig
-from services.engine.model import models_dir
-from services.registry.redis_server import RedisServer
+from services.engine.config import EngineConfig, split_cores
+from services.launcher.desired import Desired, DesiredState, remove_state, write_state
+from services.launcher.desired import set_desired as set_desired
+from services.launcher.desired import state_path as state_path
+from services.launcher.supervisor import ROLES, ProbeSettings
+from services.launcher.supervisor import Supervisor as BaseSupervisor
+from services.registry.config import ClusterStateConfig
+from services.registry.records import BadRecord
+from services.registry.redis_server import RedisServer, redact
+from services.registry.registry import BAD_RECORDS, redis_client
+from services.registry.signing import SECRET_ENV, RecordSigner, load_secret, new_secret
 from services.router.config import RouterConfig
-from services.workers import WorkerConfig
+from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 
-DESIRED_KEY = "pdserve:desired"
-STATE_FILE = "up.json"  # where `scale` and `down` find a local stack's Redis
-ROLES = ("prefill", "decode")
+LOOPBACK = "127.0.0.1"
+REDIS_RESTARTS = Counter("pdserve_supervisor_redis_restarts", "times the local "
+                         "redis-server was found dead and started again")
 
 
 class LauncherConfig(BaseSettings):
-    """`pdserve up`: pool sizes and placement. Env prefix PDSERVE_."""
+    """`pdserve up`: pool sizes, placement and supervision. Env prefix PDSERVE_."""
 
     model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
 
@@ -54,10 +77,20 @@ class LauncherConfig(BaseSettings):
                                      "workers (compute-class, e.g. H100)")
     decode_accelerator: str = Field("", description="GPU: Ray accelerator type for decode "
                                     "workers (bandwidth-class, e.g. H200)")
-
-
-def state_path() -> Path:
-    return models_dir().parent / STATE_FILE
+    probe_interval_s: float = Field(2.0, gt=0, description="seconds between health probes "
+                                    "of each actor")
+    probe_timeout_s: float = Field(5.0, gt=0, description="a probe unanswered this long is "
+                                   "a miss")
+    probe_failures: int = Field(2, ge=1, description="misses in a row before a hung actor "
+                                "is killed and restarted")
+    start_timeout_s: float = Field(900.0, gt=0, description="an actor not ready this long "
+                                   "after a (re)start is restarted")
+    supervisor_metrics_port: int = Field(
+        0, ge=0, le=65535, description="Prometheus port of the supervisor's own counters "
+        "(restarts), on loopback (0 = off)")
+    state_file: str = Field("", description="where `scale` and `down` find a local stack's "
+                            "Redis URL and secret (mode 0600); default up.json beside the "
+                            "models cache")
 
 
 @dataclass
@@ -67,19 +100,23 @@ class Stack:
     server: ServerConfig
     worker: WorkerConfig
     router: RouterConfig
+    cluster: ClusterStateConfig = field(
+        default_factory=lambda: ClusterStateConfig())  # type: ignore[call-arg]
 
 
-class Supervisor:
-    def __init__(self, stack: Stack, redis_url: str) -> None:
-        import ray
+class Supervisor(BaseSupervisor):
+    """The stack's supervisor: how each role's actor is made (Ray options and
+    constructor arguments)."""
 
-        from services.launcher.actors import ServiceActor
+    redis_url = ""
+    secret = ""
 
-        self.ray = ray
-        self.stack = stack
-        self.redis_url = redis_url
-        self.remote = ray.remote(ServiceActor)
-        self.actors: dict[str, Any] = {}
+    def __init__(self, stack: Stack, redis_url: str, secret: str) -> None:
+        lc = stack.launcher
+        super().__init__(ProbeSettings(lc.probe_interval_s, lc.probe_timeout_s,
+                                       lc.probe_failures, lc.start_timeout_s),
+                         local_cluster=not lc.ray_address)
+        self.stack, self.redis_url, self.secret = stack, redis_url, secret
 
     def _options(self, role: str, name: str) -> dict[str, Any]:
         lc = self.stack.launcher
@@ -87,6 +124,9 @@ class Supervisor:
             "name": name, "namespace": "pdserve", "max_restarts": -1, "max_task_retries": 0,
             "max_concurrency": 64, "resources": {f"pdserve_{role}": 1},
         }
+        if self.secret:
+            # Registries in the actors read it (services/registry/signing.py).
+            options["runtime_env"] = {"env_vars": {SECRET_ENV: self.secret}}
         accelerator = {"prefill": lc.prefill_accelerator, "decode": lc.decode_accelerator}.get(
             role, "")
         if accelerator:
@@ -98,10 +138,11 @@ class Supervisor:
         return options
 
     def _args(self, role: str, index: int) -> tuple[Any, ...]:
-        from services.router.local import split_cores
-
         s = self.stack
         server = s.server.model_copy(update={"port": 0, "metrics_port": -1, "http_port": 0})
+        if self.local_cluster:
+            # Internal ports of a local stack are for this machine only.
+            server = server.model_copy(update={"host": LOOPBACK})
         if role == "router":
             if index == 0:
                 server = s.server.model_copy()
@@ -110,77 +151,136 @@ class Supervisor:
         cores = dict(zip(ROLES, split_cores(s.launcher.prefill_cores, s.launcher.decode_cores),
                          strict=True))[role]
         engine = s.engine.model_copy(update={"cpu_cores": cores})
-        worker = s.worker.model_copy(update={"redis_url": self.redis_url,
-                                             "worker_id": f"{role}-{index}"})
+        update: dict[str, Any] = {"redis_url": self.redis_url, "worker_id": f"{role}-{index}"}
+        if self.local_cluster:
+            update["kv_host"] = LOOPBACK
+        worker = s.worker.model_copy(update=update)
         # Joining a cluster: workers may land on other nodes, so they advertise their
         # node's address; a local cluster keeps everything on loopback.
-        return (role, server, engine, worker, None, bool(s.launcher.ray_address))
+        return (role, server, engine, worker, None, not self.local_cluster)
 
-    def ensure(self, role: str, count: int) -> None:
-        for i in range(count):
-            name = f"{role}-{i}"
-            if name not in self.actors:
-                log.info("starting %s", name)
-                self.actors[name] = self.remote.options(**self._options(role, name)).remote(
-                    *self._args(role, i))
-        extra = sorted((n for n in self.actors if n.startswith(f"{role}-")
-                        and int(n.rsplit("-", 1)[1]) >= count), reverse=True)
-        for name in extra:
-            log.info("stopping %s", name)
-            self.ray.kill(self.actors.pop(name), no_restart=True)
 
-    async def wait_ready(self, timeout: float = 900.0) -> dict[str, dict[str, Any]]:
-        names = list(self.actors)
-        infos = await asyncio.wait_for(
-            asyncio.gather(*(self.actors[n].ready.remote() for n in names)), timeout)
-        return dict(zip(names, infos, strict=True))
+def _init_ray(lc: LauncherConfig) -> None:
+    import ray
 
-    def stop_all(self) -> None:
-        for handle in self.actors.values():
+    if lc.ray_address:
+        ray.init(address=lc.ray_address, namespace="pdserve")
+        return
+    # Per-role custom resources: a real cluster gives them to the node types that should
+    # host each role (see deploy/ray-cluster.yaml); locally every role fits. Loopback
+    # node address, no dashboard (its jobs API runs code); token auth stays on.
+    ray.init(namespace="pdserve", include_dashboard=False, log_to_driver=True,
+             object_store_memory=256 << 20, _node_ip_address=LOOPBACK,
+             resources={"pdserve_prefill": 64, "pdserve_decode": 64, "pdserve_router": 64})
+
+
+def _secret(cluster: ClusterStateConfig) -> str:
+    """The stack's cluster secret: the configured one, none when unsigned records are
+    explicitly allowed, else a new one for this stack."""
+    key = load_secret(cluster.cluster_secret.get_secret_value(), cluster.cluster_secret_file)
+    if key is not None:
+        return key.decode()
+    if cluster.allow_unsigned_records:
+        log.warning("pdserve up: cluster records are NOT signed (--allow-unsigned-records): "
+                    "anyone who can write to Redis can register a worker or stop the stack")
+        return ""
+    return new_secret()
+
+
+class Watch:
+    """The launcher's view of its desired state, and its local redis-server."""
+
+    def __init__(self, state: DesiredState, desired: Desired,
+                 local_redis: RedisServer | None) -> None:
+        self.state = state
+        self.desired = desired
+        self.local_redis = local_redis
+        self._complained = ""  # the last problem logged (log each once)
+
+    def _once(self, problem: str) -> None:
+        if problem != self._complained:
+            log.warning("%s", problem)
+            self._complained = problem
+
+    async def keep_redis(self) -> None:
+        r = self.local_redis
+        if r is None or r.alive:
+            return
+        log.warning("the local redis-server died (exit %s); starting it again",
+                    r.proc.returncode if r.proc else None)
+        try:
+            await asyncio.to_thread(r.start)
+        except RuntimeError as e:
+            self._once(f"cannot restart redis-server: {e}; retrying")
+            return
+        REDIS_RESTARTS.inc()
+        with contextlib.suppress(Exception):
+            await self.state.write(self.desired)
+            log.info("redis-server is back; desired sizes written again")
+
+    async def read(self) -> Desired:
+        """The desired state to act on (the current one when Redis says nothing valid)."""
+        try:
+            want = await self.state.read()
+        except BadRecord as e:
+            BAD_RECORDS.labels(e.reason).inc()
+            self._once(f"ignoring the desired state in Redis: {e}")
+            want = None
+        except Exception as e:  # Redis restarting: keep the pools as they are
+            self._once(f"cannot read the desired sizes: {e}")
+            return self.desired
+        if want is not None and (want.stack != self.desired.stack
+                                 or want.version < self.desired.version):
+            self._once("ignoring a desired state of another stack or an older version")
+            want = None
+        if want is None:  # gone (Redis restarted) or not ours: put ours back
             with contextlib.suppress(Exception):
-                self.ray.kill(handle, no_restart=True)
-        self.actors.clear()
-
-
-async def desired_sizes(redis: Any, default: dict[str, int]) -> dict[str, Any]:
-    raw = await redis.get(DESIRED_KEY)
-    return {**default, **json.loads(raw)} if raw else dict(default)
+                await self.state.write(self.desired)
+            return self.desired
+        self._complained = ""
+        self.desired = want
+        return want
 
 
 async def run_up(stack: Stack) -> None:
     import ray
-    import redis.asyncio as aioredis
 
     lc = stack.launcher
+    if lc.state_file:
+        import os
+
+        from services.launcher.desired import STATE_FILE_ENV
+
+        os.environ[STATE_FILE_ENV] = lc.state_file
+    if lc.supervisor_metrics_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(lc.supervisor_metrics_port, addr=LOOPBACK)
     local_redis = None
     redis_url = stack.router.redis_url
     if not redis_url:
         local_redis = RedisServer().start()
         redis_url = local_redis.url
-        log.info("started redis-server at %s", redis_url)
-    redis = aioredis.Redis.from_url(redis_url, socket_timeout=2.0)
-    sizes = {"prefill": lc.prefill, "decode": lc.decode, "routers": lc.routers}
-    await redis.set(DESIRED_KEY, json.dumps(sizes))
-    state_path().parent.mkdir(parents=True, exist_ok=True)
-    state_path().write_text(json.dumps({"redis_url": redis_url}))
-    if lc.ray_address:
-        ray.init(address=lc.ray_address, namespace="pdserve")
-    else:
-        # Per-role custom resources: a real cluster gives them to the node types that
-        # should host each role (see deploy/ray-cluster.yaml); locally every role fits.
-        ray.init(namespace="pdserve", include_dashboard=False, log_to_driver=True,
-                 object_store_memory=256 << 20,
-                 resources={"pdserve_prefill": 64, "pdserve_decode": 64, "pdserve_router": 64})
-    supervisor = Supervisor(stack, redis_url)
+        log.info("started redis-server at %s", redact(redis_url))
+    secret = _secret(stack.cluster)
+    redis = redis_client(redis_url, timeout_s=2.0)
+    state = DesiredState(redis, RecordSigner(secret.encode() if secret else None))
+    desired = Desired(lc.prefill, lc.decode, lc.routers, stack=uuid.uuid4().hex).updated()
+    await state.write(desired)
+    state_file = write_state(redis_url, secret)
+    _init_ray(lc)
+    supervisor = Supervisor(stack, redis_url, secret)
+    watch = Watch(state, desired, local_redis)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    probing: asyncio.Task[None] | None = None
     try:
         for role in ROLES:
-            supervisor.ensure(role, sizes[role])
+            supervisor.ensure(role, getattr(desired, role))
         supervisor.ensure("router", lc.routers)
-        ready = asyncio.ensure_future(supervisor.wait_ready())
+        ready = asyncio.ensure_future(supervisor.wait_ready(lc.start_timeout_s))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
@@ -189,52 +289,27 @@ async def run_up(stack: Stack) -> None:
         stopping.cancel()
         router = ready.result()["router-0"]
         print(f"pdserve is up: router on {stack.server.host}:{router['port']} "
-              f"({sizes['prefill']} prefill, {sizes['decode']} decode workers; "
-              f"Redis {redis_url})", flush=True)
+              f"({desired.prefill} prefill, {desired.decode} decode workers; Redis "
+              f"{redact(redis_url)}; state in {state_file})", flush=True)
+        probing = asyncio.create_task(supervisor.watch())
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
-            try:
-                want = await desired_sizes(redis, sizes)
-            except Exception as e:  # Redis restarting: keep the pools as they are
-                log.warning("cannot read desired sizes: %s", e)
-                continue
-            if want.get("down"):
+            await watch.keep_redis()
+            want = await watch.read()
+            if want.down:
                 break
-            if want != sizes:
-                log.info("scaling to %s", want)
-                sizes = want
-                for role in ROLES:
-                    supervisor.ensure(role, int(sizes[role]))
+            for role in ROLES:
+                supervisor.ensure(role, getattr(want, role))
+            supervisor.ensure("router", lc.routers)
     finally:
+        if probing is not None:
+            probing.cancel()
         supervisor.stop_all()
         ray.shutdown()
         with contextlib.suppress(Exception):
-            await redis.delete(DESIRED_KEY)
+            await state.delete()
         await redis.aclose()
         if local_redis is not None:
-            local_redis.stop()
-        with contextlib.suppress(FileNotFoundError):
-            state_path().unlink()
-
-
-async def set_desired(redis_url: str, update: dict[str, Any]) -> dict[str, Any]:
-    import redis.asyncio as aioredis
-
-    redis = aioredis.Redis.from_url(redis_url or _local_redis_url(), socket_timeout=2.0)
-    try:
-        raw = await redis.get(DESIRED_KEY)
-        if raw is None:
-            raise RuntimeError("no pdserve stack is running on that Redis (`pdserve up` first)")
-        want = {**json.loads(raw), **update}
-        await redis.set(DESIRED_KEY, json.dumps(want))
-        return want
-    finally:
-        await redis.aclose()
-
-
-def _local_redis_url() -> str:
-    try:
-        return str(json.loads(state_path().read_text())["redis_url"])
-    except (OSError, ValueError, KeyError) as e:
-        raise RuntimeError("no local pdserve stack found; pass --redis-url") from e
+            local_redis.cleanup()
+        remove_state()

@@ -1,10 +1,32 @@
-"""What the registry knows about a worker: who it is, where, and how loaded."""
+"""What the registry knows about a worker: who it is, where, and how loaded.
+
+Records are read tolerantly, because Redis is shared and outlives any one version of
+pdserve: unknown fields are ignored (a newer writer), missing optional fields take their
+defaults (an older writer). What cannot be a worker (not JSON, a required field missing,
+a wrong type, an unknown role or transport) raises `BadRecord` with a short reason, so
+the reader can skip that one record and go on with the others.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+ROLES = ("prefill", "decode")
+KV_TRANSPORTS = ("", "grpc", "torch")
+
+
+class BadRecord(ValueError):
+    """A record that is skipped. `reason` is one of: json (not a JSON object), schema
+    (a field missing, of the wrong type or out of range), signature (no valid HMAC
+    under the cluster secret), stale (signed, but older than the replay window)."""
+
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,15 +59,88 @@ class WorkerRecord:
     updated: float = 0.0  # time.time() of the last heartbeat
     pid: int = 0  # the serving process, for operators (and failure drills)
 
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
     def to_json(self) -> str:
-        return json.dumps(asdict(self))
+        return json.dumps(self.to_dict())
 
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerRecord:
-        d: dict[str, Any] = json.loads(text)
-        d["load"] = WorkerLoad(**d.get("load", {}))
-        return cls(**d)
+        """Parse a record; `BadRecord` if it cannot be a worker."""
+        return cls.from_dict(json_object(text))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> WorkerRecord:
+        values = _typed_fields(cls, d)
+        values["load"] = WorkerLoad(**_typed_fields(WorkerLoad, _object(d.get("load", {}))))
+        record = cls(**values)
+        _check_values(record)
+        return record
 
     @property
     def saturated(self) -> bool:
         return self.load.running + self.load.waiting >= self.capacity
+
+
+def json_object(text: str | bytes) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRecord("json", f"not JSON ({e})") from None
+    return _object(value)
+
+
+def _object(value: Any) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise BadRecord("json" if not isinstance(value, list) else "schema",
+                        f"expected a JSON object, got {type(value).__name__}")
+    return value
+
+
+# The JSON types each annotation accepts (bool is an int in Python, never in a record).
+_ACCEPTS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float)}
+
+
+def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
+    """The known fields of `d`, type-checked; unknown ones ignored, absent optional ones
+    left to their defaults."""
+    out: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if f.name == "load":
+            continue
+        if f.name not in d:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise BadRecord("schema", f"field {f.name!r} is missing")
+            continue
+        value = d[f.name]
+        accepted = _ACCEPTS[str(f.type)]
+        if isinstance(value, bool) or not isinstance(value, accepted):
+            raise BadRecord("schema", f"field {f.name!r} is {type(value).__name__}, "
+                            f"expected {f.type}")
+        if isinstance(value, float) and not math.isfinite(value):
+            raise BadRecord("schema", f"field {f.name!r} is not finite")
+        out[f.name] = float(d[f.name]) if f.type == "float" else value
+    return out
+
+
+def _check_values(r: WorkerRecord) -> None:
+    """Values the router would act on: refused here rather than deep in a request."""
+    if not r.worker_id:
+        raise BadRecord("schema", "empty worker_id")
+    if r.role not in ROLES:
+        raise BadRecord("schema", f"unknown role {r.role[:40]!r}")
+    if r.kv_transport not in KV_TRANSPORTS:
+        raise BadRecord("schema", f"unknown kv_transport {r.kv_transport[:40]!r}")
+    for name in ("address", "kv_address"):
+        value = getattr(r, name)
+        if value or name == "address":
+            _check_address(name, value)
+    if r.capacity < 1 or r.metrics_port < 0 or r.metrics_port > 65535:
+        raise BadRecord("schema", "capacity or metrics_port out of range")
+
+
+def _check_address(name: str, value: str) -> None:
+    host, sep, port = value.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise BadRecord("schema", f"{name} {value[:60]!r} is not host:port")

@@ -38,3 +38,6 @@ class RouterConfig(BaseSettings):
                              "re-read from Redis")
     prefix_block_size: int = Field(128, ge=1, description="router: block size of prefix "
                                    "hashing (best: the engines' KV block size)")
+    client_lease_s: float = Field(
+        15.0, gt=0, description="router: TTL of a per-client slot in Redis, renewed every "
+        "third of it while its request runs; a crashed router's slots come back after it")

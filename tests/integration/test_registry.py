@@ -1,0 +1,214 @@
+"""The registry on a real redis-server: authentication, TLS, poisoned records, client
+leases that outlive no router, and `pdserve scale`/`down` answers without a stack."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import stat
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+import redis as sync_redis
+from prometheus_client import REGISTRY
+
+from services.registry.records import WorkerRecord
+from services.registry.redis_server import RedisServer
+from services.registry.registry import Registry
+from services.registry.signing import RecordSigner
+
+SECRET = b"cluster-secret-for-tests-0123456789"
+
+
+def bad_records(reason: str) -> float:
+    return REGISTRY.get_sample_value("pdserve_registry_bad_records_total",
+                                     {"reason": reason}) or 0.0
+
+
+def worker(worker_id: str, **changes: object) -> WorkerRecord:
+    fields: dict[str, object] = dict(
+        worker_id=worker_id, role="decode", address="127.0.0.1:5000", host="h", epoch=1,
+        fingerprint="f", kv_address="127.0.0.1:5001", kv_transport="grpc",
+        updated=time.time())
+    fields.update(changes)
+    return WorkerRecord(**fields)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def registry(redis: RedisServer) -> AsyncIterator[Registry]:
+    r = Registry.from_url(redis.url, signer=RecordSigner(SECRET), ttl_s=30)
+    await r.redis.flushdb()
+    yield r
+    await r.close()
+
+
+def test_redis_needs_the_password_and_keeps_it_off_the_command_line(redis: RedisServer
+                                                                     ) -> None:
+    assert redis.password and f":{redis.password}@" in redis.url.replace("%", "")
+    anonymous = sync_redis.Redis(host="127.0.0.1", port=redis.port, socket_timeout=2)
+    with pytest.raises(sync_redis.AuthenticationError):
+        anonymous.ping()
+    wrong = sync_redis.Redis(host="127.0.0.1", port=redis.port, password="guess",
+                             socket_timeout=2)
+    with pytest.raises(sync_redis.AuthenticationError):
+        wrong.ping()
+    assert sync_redis.Redis.from_url(redis.url).ping()
+    assert redis.proc is not None
+    cmdline = Path(f"/proc/{redis.proc.pid}/cmdline").read_bytes()
+    assert redis.password.encode() not in cmdline
+    config = redis.dir / "redis.conf"
+    assert stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert stat.S_IMODE(redis.dir.stat().st_mode) == 0o700
+
+
+async def test_tls_to_redis() -> None:
+    server = RedisServer(tls=True).start()
+    try:
+        assert server.url.startswith("rediss://")
+        registry = Registry.from_url(server.url, signer=RecordSigner(SECRET), ttl_s=30)
+        try:
+            await registry.heartbeat(worker("decode-tls"))
+            assert [w.worker_id for w in await registry.workers()] == ["decode-tls"]
+        finally:
+            await registry.close()
+        plain = sync_redis.Redis(host="127.0.0.1", port=server.port, password=server.password,
+                                 socket_timeout=2)
+        with pytest.raises(sync_redis.ConnectionError):
+            plain.ping()
+    finally:
+        server.cleanup()
+
+
+async def test_poisoned_records_are_skipped_logged_once_and_counted(
+        registry: Registry, caplog: pytest.LogCaptureFixture) -> None:
+    await registry.heartbeat(worker("decode-good"))
+    forger = Registry(registry.redis, signer=RecordSigner(b"not-the-secret-0123456789"),
+                      ttl_s=30)
+    await forger.heartbeat(worker("decode-forged", address="127.0.0.1:6666"))
+    unsigned = Registry(registry.redis, signer=RecordSigner(None), ttl_s=30)
+    await unsigned.heartbeat(worker("decode-unsigned"))
+    stale = worker("decode-stale", updated=time.time() - 3600)
+    await registry.heartbeat(stale)
+    ns = registry.ns
+    raw = {
+        "decode-json": b"{this is not json",
+        "decode-bytes": b"\xff\xfe\x00",
+        "decode-types": RecordSigner(SECRET).seal("worker", {
+            **worker("decode-types").to_dict(), "epoch": "one"}),
+        "decode-role": RecordSigner(SECRET).seal("worker", worker("decode-role",
+                                                                  role="boss").to_dict()),
+        "decode-renamed": RecordSigner(SECRET).seal("worker",
+                                                    worker("decode-good").to_dict()),
+    }
+    for worker_id, value in raw.items():
+        await registry.redis.set(f"{ns}w:{worker_id}", value)
+        await registry.redis.sadd(f"{ns}workers", worker_id)
+    before = {r: bad_records(r) for r in ("json", "schema", "signature", "stale")}
+    caplog.set_level(logging.WARNING, logger="services.registry.registry")
+    for _ in range(3):
+        view = await registry.workers()
+        assert [w.worker_id for w in view] == ["decode-good"]
+    after = {r: bad_records(r) - before[r] for r in before}
+    # each bad value counted once however often it is read
+    assert after == {"json": 2, "schema": 3, "signature": 2, "stale": 1}
+    skipped = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert len(skipped) == 8 and len({m.split("'")[1] for m in skipped}) == 8
+    # a new bad value of the same worker is counted again, and logged no more
+    await registry.redis.set(f"{ns}w:decode-json", b"{still not json")
+    await registry.workers()
+    assert bad_records("json") - before["json"] == 3
+    # once good again, the worker is back
+    await registry.heartbeat(worker("decode-json"))
+    assert {w.worker_id for w in await registry.workers()} == {"decode-good", "decode-json"}
+
+
+async def test_a_worker_set_of_the_wrong_type_neither_crashes_readers_nor_blocks_workers(
+        registry: Registry) -> None:
+    await registry.redis.set(f"{registry.ns}workers", "poison")
+    assert await registry.workers() == []
+    await registry.heartbeat(worker("decode-0"))
+    assert [w.worker_id for w in await registry.workers()] == ["decode-0"]
+
+
+async def test_client_leases_bound_a_client_and_come_back_on_release(registry: Registry
+                                                                     ) -> None:
+    leases = [await registry.acquire_client_lease("alice", 2) for _ in range(3)]
+    assert leases[0] and leases[1] and leases[2] is None
+    assert await registry.acquire_client_lease("bob", 2) is not None  # per client
+    await registry.release_client_lease(leases[0])
+    assert await registry.acquire_client_lease("alice", 2) is not None
+    # the slot API releases by client id
+    assert await registry.acquire_client_slot("carol", 1)
+    assert not await registry.acquire_client_slot("carol", 1)
+    await registry.release_client_slot("carol")
+    assert await registry.acquire_client_slot("carol", 1)
+
+
+HOLDER = """
+import asyncio, sys
+from services.registry.registry import Registry
+from services.registry.signing import RecordSigner
+
+async def main():
+    registry = Registry.from_url(sys.argv[1], signer=RecordSigner(None), client_lease_s=1.5)
+    for _ in range(2):
+        assert await registry.acquire_client_lease("dave", 2)
+    print("held", flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+async def test_a_crashed_routers_client_leases_come_back(redis: RedisServer,
+                                                         registry: Registry) -> None:
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, redis.url],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout is not None
+        assert holder.stdout.readline().strip() == "held"
+        # renewed while the holder lives: still full after three lease lengths
+        deadline = time.monotonic() + 4.5
+        while time.monotonic() < deadline:
+            assert await registry.acquire_client_lease("dave", 2) is None
+            await asyncio.sleep(0.3)
+        os.kill(holder.pid, signal.SIGKILL)
+        holder.wait()
+        killed = time.monotonic()
+        while await registry.acquire_client_lease("dave", 2) is None:
+            assert time.monotonic() - killed < 10, "the crashed holder's leases never lapsed"
+            await asyncio.sleep(0.1)
+        # both came back, and the key itself expires with its last lease
+        assert await registry.acquire_client_lease("dave", 2) is not None
+        assert 0 < await registry.redis.pttl(f"{registry.ns}lease:dave") <= 15_000
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+
+
+def pdserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
+                          text=True, timeout=60, env={**os.environ, **env})
+
+
+def test_scale_and_down_without_a_stack_say_what_to_do(redis: RedisServer,
+                                                       tmp_path: Path) -> None:
+    env = {"PDSERVE_STATE_FILE": str(tmp_path / "none.json")}
+    for args in (["scale", "--prefill", "2"], ["down"]):
+        out = pdserve(*args, env=env)
+        assert out.returncode == 1 and "Traceback" not in out.stderr
+        assert out.stderr.strip().count("\n") == 0 and "--redis-url" in out.stderr
+    dead = f"redis://:pw@127.0.0.1:{redis.port + 1 if redis.port < 65535 else 1}/0"
+    out = pdserve("down", "--redis-url", dead, env={**env, "PDSERVE_CLUSTER_SECRET": "x" * 20})
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert "cannot reach" in out.stderr and "pw" not in out.stderr
+    sync_redis.Redis.from_url(redis.url).delete("pdserve:desired")
+    out = pdserve("scale", "--decode", "2", "--redis-url", redis.url, env=env)
+    assert out.returncode == 1 and "`pdserve up`" in out.stderr
+    assert redis.password not in out.stderr
