@@ -123,8 +123,8 @@ async def latency(router: str, worker: str, rounds: int, tokens: int) -> dict[st
     direct: list[tuple[float, float, int]] = []
     async with grpc.aio.insecure_channel(router) as rc, grpc.aio.insecure_channel(worker) as wc:
         gen, dec = pb_grpc.GenerationServiceStub(rc), wpb_grpc.DecodeServiceStub(wc)
-        dreq = wpb.DecodeRequest(prompt_token_ids=[1, 2, 3], sampling=pb.SamplingParams(
-            max_tokens=tokens))
+        dreq = wpb.DecodeRequest(request_id="direct", prompt_token_ids=[1, 2, 3],
+                                 sampling=pb.SamplingParams(max_tokens=tokens))
         for i in range(rounds + 20):
             r = await one(gen, _request(tokens), False)
             d = await one(dec, dreq, True)

@@ -44,7 +44,7 @@ DEFINITIONS = {
 def models() -> dict[str, Any]:
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from services.settings import settings_models
+    from services.config_doc import settings_models
 
     return {m.__name__: m for m in settings_models()}
 

@@ -15,7 +15,7 @@ from services.engine.config import EngineConfig
 from services.router.config import RouterConfig
 from services.router.local import add_disagg_arguments
 from services.settings import add_arguments, from_arguments
-from services.workers import WorkerConfig
+from services.worker.config import WorkerConfig
 
 log = logging.getLogger("pdserve")
 
@@ -77,7 +77,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 def cmd_worker(args: argparse.Namespace) -> int:
     from services.engine.model import ModelPrepareError
     from services.engine.reaper import reap_children_on_exit
-    from services.workers import run_worker
+    from services.worker.serve import run_worker
 
     engine_cfg = from_arguments(EngineConfig, args)
     server_cfg = from_arguments(ServerConfig, args)

@@ -17,6 +17,7 @@ Where errors come from and what they become:
 | `Overloaded`              | RESOURCE_EXHAUSTED    | 429  | never                   |
 | `DeadlineExceeded`        | DEADLINE_EXCEEDED     | 504  | never                   |
 | `Cancelled`               | CANCELLED             | 499  | never                   |
+| `Aborted`                 | ABORTED               | 500  | no                      |
 | `Unavailable`             | UNAVAILABLE           | 503  | no (nothing to serve)   |
 | `EngineDead`              | UNAVAILABLE           | 503  | the engine's own worker |
 | `WorkerFailure`           | UNAVAILABLE           | 503  | yes: `role`/`worker_id` |
@@ -93,6 +94,12 @@ class Overloaded(PdserveError):
     def __init__(self, message: str, retry_after_ms: int = 500) -> None:
         super().__init__(f"{message}; retry in {retry_after_ms} ms")
         self.retry_after_ms = retry_after_ms
+
+
+class Aborted(PdserveError):
+    """The engine ended the request without finishing it (it was aborted inside)."""
+
+    status, http = grpc.StatusCode.ABORTED, 500
 
 
 class Unavailable(PdserveError):

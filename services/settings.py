@@ -4,7 +4,8 @@ Every field is settable three ways, in this order of precedence: a CLI flag
 (`--kv-cache-gib 2`), an environment variable with the `PDSERVE_` prefix
 (`PDSERVE_KV_CACHE_GIB=2`), or the default here. `add_arguments` derives the flags from
 the fields, so flags, env names and docs cannot drift apart (the Helm chart and the
-README's configuration table are checked against these models by tests).
+README's configuration table are checked against these models by tests;
+`services/config_doc.py` writes the reference from them).
 """
 
 from __future__ import annotations
@@ -37,12 +38,12 @@ def _base_type(annotation: Any) -> Any:
 
 
 def add_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings],
-                  exclude: tuple[str, ...] = ()) -> None:
-    """Add one flag per settings field (but `exclude`). Flags default to "not given" so
-    that only what the user typed overrides the environment."""
+                  exclude: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> None:
+    """Add one flag per settings field (but `exclude`; only `only` when given). Flags
+    default to "not given" so that only what the user typed overrides the environment."""
     group = parser.add_argument_group(f"{model.__name__} (env prefix PDSERVE_)")
     for name, field in model.model_fields.items():
-        if name in exclude:
+        if name in exclude or (only and name not in only):
             continue
         base = _base_type(field.annotation)
         default = field.get_default(call_default_factory=True)
@@ -65,37 +66,3 @@ def from_arguments(model: type[S], args: argparse.Namespace) -> S:
     """Build settings from env + defaults, overridden by the flags that were given."""
     given = {k: v for k, v in vars(args).items() if k in model.model_fields}
     return model(**given)
-
-
-def settings_models() -> list[type[BaseSettings]]:
-    """Every settings model, in the order the reference lists them."""
-    from services.api.server import ServerConfig
-    from services.engine.config import EngineConfig
-    from services.launcher.up import LauncherConfig
-    from services.router.config import RouterConfig
-    from services.workers import WorkerConfig
-
-    return [ServerConfig, EngineConfig, WorkerConfig, RouterConfig, LauncherConfig]
-
-
-def markdown_reference() -> str:
-    """docs/configuration.md: one table per settings model."""
-    lines = ["# Configuration reference", "",
-             "Generated from the settings models by `python -m services.settings` (a test "
-             "fails when this file is stale). Every setting is a CLI flag and a `PDSERVE_*` "
-             "environment variable; flags win over the environment.", ""]
-    for model in settings_models():
-        doc = (model.__doc__ or "").strip().splitlines()[0]
-        lines += [f"## {model.__name__}", "", doc, "", "| flag | env | default | meaning |",
-                  "| --- | --- | --- | --- |"]
-        for name, field in model.model_fields.items():
-            default = field.get_default(call_default_factory=True)
-            meaning = (field.description or "").replace("|", "\\|")
-            lines.append(f"| `{flag_name(name)}` | `{env_name(model, name)}` | "
-                         f"`{default!r}` | {meaning} |")
-        lines.append("")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(markdown_reference(), end="")

@@ -19,12 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
-
-FINISH_NAMES = {
-    pb.FINISH_REASON_STOP: "stop",
-    pb.FINISH_REASON_LENGTH: "length",
-    pb.FINISH_REASON_ABORT: "abort",
-}
+from services.rpc import MAX_MESSAGE_BYTES, grpc_options
+from services.wire import FINISH_NAMES
 
 
 @dataclass(slots=True)
@@ -77,16 +73,11 @@ def build_request(
 
 
 class PdserveClient:
-    def __init__(self, target: str = "127.0.0.1:50051", max_message_bytes: int = 64 << 20):
-        options = [
-            ("grpc.max_send_message_length", max_message_bytes),
-            ("grpc.max_receive_message_length", max_message_bytes),
-            # gRPC's default reconnect backoff grows to minutes: a client that starts
-            # before its server would keep failing long after the server is up.
-            ("grpc.initial_reconnect_backoff_ms", 200),
-            ("grpc.max_reconnect_backoff_ms", 2000),
-        ]
-        self.channel = grpc.aio.insecure_channel(target, options=options)
+    def __init__(self, target: str = "127.0.0.1:50051",
+                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+        # pdserve's channel options: among them a short reconnect backoff, so a client
+        # that starts before its server does not keep failing long after it is up.
+        self.channel = grpc.aio.insecure_channel(target, options=grpc_options(max_message_bytes))
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     async def __aenter__(self) -> PdserveClient:

@@ -4,13 +4,14 @@ usage, logprobs and pdserve's timing anatomy as an extension field (`pdserve`)."
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from services.api.backend import Delta, TokenLogprob
+from services.messages import Delta, TokenLogprob
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -74,7 +75,7 @@ class Answer:
             self.e2e_s = time.monotonic() - self.started
             self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.cached_tokens = delta.num_cached_tokens
-            self.server_timings = dict(delta.timings)
+            self.server_timings = dataclasses.asdict(delta.timings)
         choice: dict[str, Any] = {"index": 0}
         if self.chat:
             choice["delta"] = {"content": delta.text} if delta.text else {}

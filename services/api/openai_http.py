@@ -22,7 +22,6 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Generator
 from typing import Any, TypeVar
 
-import grpc
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,7 +29,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
-from services.api.backend import Backend, Delta, GenerationRequest
+from services.api.backend import Backend
 from services.api.openai_answer import Answer
 from services.api.openai_schema import (
     ChatCompletionRequest,
@@ -41,34 +40,45 @@ from services.api.openai_schema import (
     openai_error,
 )
 from services.api.prepare import limits_of, prepare
-from services.api.validation import RequestError
+from services.errors import (
+    Aborted,
+    InvalidRequest,
+    Overloaded,
+    PdserveError,
+    http_status,
+)
+from services.messages import Delta, GenerationRequest
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
-RETRY_AFTER_S = 1  # no load estimate exists yet: ask overloaded clients to back off 1 s
+TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait: gRPC's deadline
 
 
-def error_response(err: RequestError, chat: bool) -> JSONResponse:
+def error_response(err: BaseException, chat: bool) -> JSONResponse:
     status, body = openai_error(err, chat)
-    headers = {"Retry-After": str(RETRY_AFTER_S)} if status == 429 else None
+    headers = None
+    if isinstance(err, Overloaded):
+        headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_ms / 1000)))}
     return JSONResponse(body, status_code=status, headers=headers)
 
 
-def backend_failure(e: Exception, request_id: str) -> RequestError:
-    """An exception from the backend as the status the gRPC servicer answers with."""
-    name = type(e).__name__
-    if name in ("ValueError", "VLLMValidationError"):  # vLLM refused a parameter
-        return RequestError(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-    if name == "EngineDeadError":
-        log.error("engine died serving %s: %s", request_id, e)
-        return RequestError(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
-    log.exception("request %s failed", request_id)
-    return RequestError(grpc.StatusCode.INTERNAL, f"internal error: {name}: {e}")
+def request_timeout(request: Request) -> float | None:
+    """The client's deadline from the `X-Request-Timeout` header (seconds), if sent."""
+    raw = request.headers.get(TIMEOUT_HEADER)
+    if raw is None:
+        return None
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise InvalidRequest(f"{TIMEOUT_HEADER}: {raw!r} must be a number of seconds > 0")
+    return value
 
 
 async def deltas_of(backend: Backend, req: GenerationRequest) -> AsyncGenerator[Delta, None]:
-    """The backend's deltas up to the finished one; every failure is a RequestError.
+    """The backend's deltas up to the finished one; every failure is a PdserveError.
     Closing this generator closes the backend's stream, which aborts the request."""
     stream = backend.generate(req)
     try:
@@ -76,15 +86,16 @@ async def deltas_of(backend: Backend, req: GenerationRequest) -> AsyncGenerator[
             yield delta
             if delta.finished:
                 return
-    except RequestError:
+    except PdserveError:
         raise
     except Exception as e:
-        raise backend_failure(e, req.request_id) from e
+        http_status(e)  # logs the traceback of what is a bug
+        raise PdserveError(f"internal error: {type(e).__name__}: {e}") from e
     finally:
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
-    raise RequestError(grpc.StatusCode.ABORTED, "the request was aborted by the server")
+    raise Aborted("the request was aborted by the server")
 
 
 async def _wait_disconnect(receive: Receive) -> None:
@@ -132,7 +143,7 @@ class EventStream(StreamingResponse):
     async def _send_all(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             first = await anext(self.events)
-        except RequestError as e:
+        except PdserveError as e:
             await error_response(e, self.chat)(scope, receive, send)
             return
         await send({"type": "http.response.start", "status": self.status_code,
@@ -161,7 +172,7 @@ async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
             yield sse(answer.chunk([choice], **({"pdserve": answer.extension()} if last else {})))
         if include_usage:
             yield sse(answer.chunk([], usage=answer.usage(), pdserve=answer.extension()))
-    except RequestError as e:
+    except PdserveError as e:
         if not started:
             raise
         yield sse(openai_error(e, answer.chat)[1])
@@ -185,8 +196,9 @@ class OpenAIFront:
         try:
             public = (chat_request(body, request_id) if isinstance(body, ChatCompletionRequest)
                       else completion_request(body, request_id))
-            req = prepare(public, request_id, self.limits, self.backend.tokenizer)
-        except RequestError as e:
+            req = prepare(public, self.limits, self.backend.tokenizer, request_timeout(request),
+                          request.headers.get("x-client-id", ""))
+        except PdserveError as e:
             return error_response(e, chat)
         answer = Answer(chat=chat, request_id=request_id, model=self.limits.served_model,
                         started=started, prompt_tokens=len(req.prompt_token_ids),
@@ -199,7 +211,7 @@ class OpenAIFront:
             return EventStream(stream_events(answer, deltas, body.include_usage), chat, headers)
         try:
             finished, _ = await until_disconnect(request.receive, answer.collect(deltas))
-        except RequestError as e:
+        except PdserveError as e:
             return error_response(e, chat)
         finally:
             await deltas.aclose()

@@ -17,11 +17,11 @@ from __future__ import annotations
 import re
 from typing import Any, cast
 
-import grpc
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.v1 import generate_pb2 as pb
-from services.api.validation import RequestError, invalid
+from services.api.validation import invalid
+from services.errors import http_status
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
@@ -126,7 +126,7 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
-    """The gRPC request for a completions body; raises RequestError naming the field."""
+    """The gRPC request for a completions body; raises InvalidRequest naming the field."""
     _check_openai_only(body)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
@@ -157,7 +157,7 @@ def _text_of(i: int, content: str | list[dict[str, Any]] | None) -> str:
 
 
 def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
-    """The gRPC request for a chat body; raises RequestError naming the field."""
+    """The gRPC request for a chat body; raises InvalidRequest naming the field."""
     _check_openai_only(body)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs: needs `logprobs: true`")
@@ -172,15 +172,9 @@ def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateReq
 
 
 # -- errors ---------------------------------------------------------------------------
-HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 # Error `type`s as vLLM's OpenAI server names them.
-ERROR_TYPES = {400: "BadRequestError", 404: "NotFoundError", 429: "RateLimitError",
+ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 403: "PermissionDeniedError",
+               404: "NotFoundError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError",
                504: "GatewayTimeoutError"}
 _FIELD = re.compile(r"^([A-Za-z_][\w.]*)([\w.\[\]]*): ")  # name, then indices / subfields
@@ -205,12 +199,12 @@ def openai_param(path: str, chat: bool) -> str:
     return path
 
 
-def openai_error(err: RequestError, chat: bool) -> tuple[int, dict[str, Any]]:
-    """(HTTP status, OpenAI error body) for a refusal. The leading field of the message is
-    renamed to the HTTP body's name for it, which is also the `param`."""
-    status = HTTP_STATUS.get(err.code, 500)
-    match = _FIELD.match(err.message)
+def openai_error(err: BaseException, chat: bool) -> tuple[int, dict[str, Any]]:
+    """(HTTP status, OpenAI error body) for a refusal or failure. The leading field of a
+    message is renamed to the HTTP body's name for it, which is also the `param`."""
+    status, message = http_status(err)
+    match = _FIELD.match(message)
     if match is None:
-        return status, error_body(status, err.message)
+        return status, error_body(status, message)
     param = openai_param(match.group(1), chat) + match.group(2)
-    return status, error_body(status, param + err.message[match.end(2):], param)
+    return status, error_body(status, param + message[match.end(2):], param)

@@ -1,32 +1,36 @@
 """From a public request to a `GenerationRequest`: the one path every front end (gRPC,
-HTTP) takes, so validation and prompt rendering cannot differ between them."""
+HTTP) takes, so validation, prompt rendering, ids, deadlines and client identity cannot
+differ between them."""
 
 from __future__ import annotations
 
+import uuid
 from typing import TYPE_CHECKING
 
 from pdserve.v1 import generate_pb2 as pb
 from services.api import validation
-from services.api.backend import GenerationRequest
 from services.api.prompts import render
 from services.engine.engine import ModelFacts
+from services.messages import GenerationRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def prepare(request: pb.GenerateRequest, request_id: str, limits: validation.Limits,
+def prepare(request: pb.GenerateRequest, limits: validation.Limits,
             tokenizer: PreTrainedTokenizerBase, timeout_s: float | None = None,
             client_id: str = "") -> GenerationRequest:
-    """Validate and tokenize; raises `validation.RequestError` naming the bad field."""
+    """Validate and tokenize; raises `InvalidRequest`/`ModelNotFound` naming the bad
+    field. Every request gets its own id: the client's `request_id` is only echoed, so
+    two clients that pick the same one never touch each other's requests."""
     validation.check_request_id(request.request_id)
     validation.check_model(request.model, limits)
     prompt = validation.check_input(request, limits)
-    kwargs = validation.sampling_kwargs(request.sampling, limits)
+    sampling = validation.check_sampling(request.sampling, limits)
     prompt_ids = render(prompt, tokenizer)
-    max_tokens = validation.resolve_max_tokens(request.sampling, len(prompt_ids), limits)
-    return GenerationRequest(request_id, prompt_ids, request.sampling, kwargs, max_tokens,
-                             timeout_s, client_id)
+    max_tokens = validation.resolve_max_tokens(sampling, len(prompt_ids), limits)
+    return GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling, max_tokens, timeout_s,
+                             client_id, request.request_id)
 
 
 def limits_of(facts: ModelFacts) -> validation.Limits:

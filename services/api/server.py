@@ -13,13 +13,13 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from pydantic import Field, PrivateAttr
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.v1 import generate_pb2 as pb
-from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from services.api.backend import Backend
-from services.api.servicer import GenerationServicer
+from services.api.servicer import GenerationServicer, parse_request
+from services.rpc import MAX_MESSAGE_BYTES, grpc_options
 
 log = logging.getLogger(__name__)
 
@@ -38,34 +38,20 @@ class ServerConfig(BaseSettings):
         "port, published in the registry)"
     )
     max_message_bytes: int = Field(
-        64 << 20, ge=4 << 20, description="largest gRPC message accepted or sent"
+        MAX_MESSAGE_BYTES, ge=4 << 20, description="largest gRPC message accepted or sent"
     )
     grace_s: float = Field(10.0, ge=0, description="seconds running streams get on shutdown")
     http_port: int = Field(
         0, ge=0, le=65535, description="OpenAI-compatible HTTP API port (0 = off)"
     )
-    # Set by serve(): the metrics port actually bound (not a setting).
-    _bound_metrics_port: int = PrivateAttr(0)
-
-    @property
-    def bound_metrics_port(self) -> int:
-        return self._bound_metrics_port
 
 
-def grpc_options(max_message_bytes: int) -> list[tuple[str, int]]:
-    return [
-        ("grpc.max_send_message_length", max_message_bytes),
-        ("grpc.max_receive_message_length", max_message_bytes),
-        # Long streams stay open for minutes: keepalives find dead peers, and the
-        # server lets clients ping during idle streams.
-        ("grpc.keepalive_time_ms", 30_000),
-        ("grpc.keepalive_timeout_ms", 10_000),
-        ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
-        ("grpc.keepalive_permit_without_calls", 1),
-        # Channels to workers reconnect within seconds after a worker restarts.
-        ("grpc.initial_reconnect_backoff_ms", 200),
-        ("grpc.max_reconnect_backoff_ms", 2000),
-    ]
+@dataclass(frozen=True, slots=True)
+class Bound:
+    """What a started server listens on."""
+
+    port: int  # gRPC
+    metrics_port: int  # Prometheus (0 = off)
 
 
 def start_metrics(port: int) -> int:
@@ -91,15 +77,26 @@ class Service:
 
 def generation_service(backend: Backend) -> Service:
     servicer = GenerationServicer(backend)
-    return Service(GENERATION_SERVICE,
-                   lambda server: pb_grpc.add_GenerationServiceServicer_to_server(servicer, server))
+    # As the generated `add_GenerationServiceServicer_to_server`, but requests that do not
+    # parse reach the servicer as an error to answer INVALID_ARGUMENT with (grpc would
+    # answer a deserializer's exception with an opaque UNKNOWN).
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_request,
+            response_serializer=pb.GenerateResponse.SerializeToString),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.GetModelInfoResponse.SerializeToString),
+    }
+    generic = grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
+    return Service(GENERATION_SERVICE, lambda server: server.add_generic_rpc_handlers((generic,)))
 
 
 async def serve(
     config: ServerConfig,
     services: list[Service],
     banner: str,
-    on_ready: Callable[[int], None] | None = None,
+    on_ready: Callable[[Bound], None] | None = None,
     stop: asyncio.Event | None = None,
     *,
     http_backend: Backend | None = None,
@@ -123,12 +120,12 @@ async def serve(
 
         http = HttpServer(http_backend, config.host, config.http_port, config.grace_s)
         await http.start()
-    config._bound_metrics_port = start_metrics(config.metrics_port)
+    metrics_port = start_metrics(config.metrics_port)
     for name in ("", *names):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     log.info("%s on %s:%d", banner, config.host, port)
     if on_ready is not None:
-        on_ready(port)
+        on_ready(Bound(port, metrics_port))
 
     stop = stop or asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -1,69 +1,43 @@
 """The public gRPC generation service: a thin shell that converts protobuf to the
-backend's terms and back. Validation lives in `validation`, prompt rendering in
-`prompts`, the serving itself in a `Backend`."""
+backend's terms and back (`services/wire.py`). Validation lives in `validation`, prompt
+rendering in `prompts`, the serving itself in a `Backend`, the status of every failure
+in `services/errors.py`."""
 
 from __future__ import annotations
 
 import logging
-import math
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 import grpc
+from google.protobuf.message import DecodeError
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
-from services.api import validation
-from services.api.backend import Backend, Delta
+from services import wire
+from services.api.backend import Backend
 from services.api.prepare import limits_of, prepare
+from services.errors import RETRY_AFTER_KEY, InvalidRequest, grpc_status, retry_after_ms
 
 log = logging.getLogger(__name__)
 
-FINISH_REASONS = {
-    "stop": pb.FINISH_REASON_STOP,
-    "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
-}
+
+async def abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:
+    """End the call with `e`'s status (and a retry hint for overload)."""
+    code, message = grpc_status(e)
+    hint = retry_after_ms(e)
+    if hint is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(hint)),))
+    await context.abort(code, message)
 
 
-def finish_reason_pb(delta: Delta) -> pb.FinishReason:
-    return FINISH_REASONS.get(delta.finish_reason or "", pb.FINISH_REASON_ABORT)
-
-
-def logprob_messages(delta: Delta) -> list[pb.TokenLogprob]:
-    return [pb.TokenLogprob(token_id=lp.token_id, logprob=lp.logprob,
-                            top=[pb.TopLogprob(token_id=t, logprob=v) for t, v in lp.top])
-            for lp in delta.logprobs or ()]
-
-
-def chunk_message(delta: Delta) -> pb.GenerateResponse:
-    return pb.GenerateResponse(chunk=pb.Chunk(token_ids=delta.token_ids, text=delta.text,
-                                              logprobs=logprob_messages(delta)))
-
-
-def _final(
-    delta: Delta, request_id: str, prompt_tokens: int, completion_tokens: int,
-    ttft_s: float, e2e_s: float,
-) -> pb.GenerateResponse:
-    timings = pb.Timings(ttft_s=ttft_s, e2e_s=e2e_s)
-    for name, value in delta.timings.items():
-        if math.isfinite(value):
-            setattr(timings, name, type(getattr(timings, name))(value))  # int for byte counts
-    stop = delta.stop_reason
-    return pb.GenerateResponse(
-        final=pb.Final(
-            finish_reason=finish_reason_pb(delta),
-            stop_reason="" if stop is None else str(stop),
-            usage=pb.Usage(
-                prompt_tokens=prompt_tokens,
-                completion_tokens=completion_tokens,
-                cached_tokens=delta.num_cached_tokens,
-            ),
-            timings=timings,
-            request_id=request_id,
-        )
-    )
+def parse_request(data: bytes) -> pb.GenerateRequest | InvalidRequest:
+    """The request deserializer: bytes that are not a GenerateRequest are the client's
+    error, handed to the servicer to answer INVALID_ARGUMENT with."""
+    try:
+        return pb.GenerateRequest.FromString(data)
+    except DecodeError as e:
+        return InvalidRequest(f"request: not a pdserve.v1.GenerateRequest ({e})")
 
 
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
@@ -71,47 +45,39 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         self.backend = backend
         self.limits = limits_of(backend.facts)
 
-
     async def Generate(
-        self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext
+        self, request: pb.GenerateRequest | InvalidRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.GenerateResponse]:
         started = time.monotonic()
-        request_id = request.request_id or uuid.uuid4().hex
+        if isinstance(request, InvalidRequest):
+            await abort_with(context, request)
+            return
         try:
             metadata = dict(context.invocation_metadata() or ())
-            req = prepare(request, request_id, self.limits, self.backend.tokenizer,
+            req = prepare(request, self.limits, self.backend.tokenizer,
                           context.time_remaining(), str(metadata.get("x-client-id", "")))
-        except validation.RequestError as e:
-            await context.abort(e.code, e.message)
-        prompt_tokens = len(req.prompt_token_ids)
+        except Exception as e:
+            await abort_with(context, e)
         completion_tokens = 0
         ttft_s = 0.0
+        stream = self.backend.generate(req)
         try:
-            async for delta in self.backend.generate(req):
+            async for delta in stream:
                 if delta.token_ids or delta.text:
                     if completion_tokens == 0 and delta.token_ids:
                         ttft_s = time.monotonic() - started
                     completion_tokens += len(delta.token_ids)
-                    yield chunk_message(delta)
+                    yield wire.chunk_pb(delta)
                 if delta.finished:
-                    yield _final(
-                        delta, request_id, prompt_tokens, completion_tokens,
-                        ttft_s, time.monotonic() - started,
-                    )
+                    delta.timings.ttft_s = ttft_s
+                    delta.timings.e2e_s = time.monotonic() - started
+                    yield wire.final_pb(delta, request.request_id or req.request_id,
+                                        len(req.prompt_token_ids), completion_tokens)
                     return
-        except validation.RequestError as e:
-            if e.retry_after_ms is not None:
-                context.set_trailing_metadata((("retry-after-ms", str(e.retry_after_ms)),))
-            await context.abort(e.code, e.message)
         except Exception as e:
-            name = type(e).__name__
-            if name in ("ValueError", "VLLMValidationError"):  # vLLM refused a parameter
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-            if name == "EngineDeadError":
-                log.error("engine died serving %s: %s", request_id, e)
-                await context.abort(grpc.StatusCode.UNAVAILABLE, "the engine is not running")
-            log.exception("request %s failed", request_id)
-            await context.abort(grpc.StatusCode.INTERNAL, f"internal error: {name}: {e}")
+            await abort_with(context, e)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
         # The engine stream ended without a finished output: it was aborted.
         await context.abort(grpc.StatusCode.ABORTED, "the request was aborted by the server")
 

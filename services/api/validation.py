@@ -6,12 +6,12 @@ request without reading the server's code. The same checks serve every front end
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Any
-
-import grpc
 
 from pdserve.v1 import generate_pb2 as pb
+from services.errors import InvalidRequest, ModelNotFound
+from services.messages import Sampling
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -21,19 +21,12 @@ MAX_CHAT_MESSAGES = 1024
 MAX_REQUEST_ID_CHARS = 256
 
 
-class RequestError(Exception):
-    """A request the server refuses; `code` is the gRPC status to answer with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str,
-                 retry_after_ms: int | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms  # sent as `retry-after-ms` trailing metadata
+MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's servers' bound
+MAX_SEED = 2**63 - 1  # vLLM seeds a torch generator: a signed 64-bit integer
 
 
-def invalid(message: str) -> RequestError:
-    return RequestError(grpc.StatusCode.INVALID_ARGUMENT, message)
+def invalid(message: str) -> InvalidRequest:
+    return InvalidRequest(message)
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,11 +49,9 @@ class PromptInput:
 
 def check_model(requested: str, limits: Limits) -> None:
     if requested and requested != limits.served_model:
-        raise RequestError(
-            grpc.StatusCode.NOT_FOUND,
+        raise ModelNotFound(
             f"model: {requested!r} is not served here; this server serves "
-            f"{limits.served_model!r} (or leave `model` empty)",
-        )
+            f"{limits.served_model!r} (or leave `model` empty)")
 
 
 def check_input(req: pb.GenerateRequest, limits: Limits) -> PromptInput:
@@ -103,66 +94,71 @@ def check_request_id(request_id: str) -> None:
         raise invalid(f"request_id: at most {MAX_REQUEST_ID_CHARS} characters")
 
 
-def sampling_kwargs(s: pb.SamplingParams, limits: Limits) -> dict[str, Any]:
-    """Check the sampling fields; return keyword arguments for vLLM's SamplingParams
-    (without max_tokens, which depends on the prompt's length)."""
-    kw: dict[str, Any] = {}
+def _finite(name: str, value: float, low: float, high: float, what: str) -> float:
+    if not (math.isfinite(value) and low <= value <= high):
+        raise invalid(f"sampling.{name}: {value} must be {what}")
+    return value
+
+
+def check_sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
+    """Check every sampling field against what vLLM accepts (so that the engine never
+    refuses what passed here); the validated settings. max_tokens is checked against
+    the prompt by `resolve_max_tokens`."""
+    temperature = top_p = min_p = presence = frequency = repetition = None
+    top_k = seed = logprobs = None
     if s.HasField("temperature"):
-        if not s.temperature >= 0:  # also catches NaN
-            raise invalid(f"sampling.temperature: {s.temperature} must be >= 0 (0 = greedy)")
-        kw["temperature"] = s.temperature
+        temperature = _finite("temperature", s.temperature, 0.0, MAX_TEMPERATURE,
+                              f"in [0, {MAX_TEMPERATURE:g}] (0 = greedy)")
     if s.HasField("top_p"):
-        if not 0 < s.top_p <= 1:
+        top_p = _finite("top_p", s.top_p, 0.0, 1.0, "in (0, 1]")
+        if top_p == 0.0:
             raise invalid(f"sampling.top_p: {s.top_p} must be in (0, 1]")
-        kw["top_p"] = s.top_p
     if s.HasField("top_k"):
         if s.top_k < -1:
             raise invalid(f"sampling.top_k: {s.top_k} must be -1 or 0 (off), or >= 1")
-        kw["top_k"] = 0 if s.top_k == -1 else s.top_k
+        top_k = 0 if s.top_k == -1 else s.top_k
     if s.HasField("min_p"):
-        if not 0 <= s.min_p <= 1:
-            raise invalid(f"sampling.min_p: {s.min_p} must be in [0, 1]")
-        kw["min_p"] = s.min_p
-    for name in ("presence_penalty", "frequency_penalty"):
-        if s.HasField(name):
-            value = getattr(s, name)
-            if not -2 <= value <= 2:
-                raise invalid(f"sampling.{name}: {value} must be in [-2, 2]")
-            kw[name] = value
+        min_p = _finite("min_p", s.min_p, 0.0, 1.0, "in [0, 1]")
+    if s.HasField("presence_penalty"):
+        presence = _finite("presence_penalty", s.presence_penalty, -2.0, 2.0, "in [-2, 2]")
+    if s.HasField("frequency_penalty"):
+        frequency = _finite("frequency_penalty", s.frequency_penalty, -2.0, 2.0, "in [-2, 2]")
     if s.HasField("repetition_penalty"):
-        if not s.repetition_penalty > 0:
-            raise invalid(f"sampling.repetition_penalty: {s.repetition_penalty} must be > 0")
-        kw["repetition_penalty"] = s.repetition_penalty
+        repetition = _finite("repetition_penalty", s.repetition_penalty, 0.0, math.inf,
+                             "finite and > 0")
+        if repetition == 0.0:
+            raise invalid(f"sampling.repetition_penalty: {s.repetition_penalty} must be "
+                          "finite and > 0")
     if s.min_tokens < 0:
         raise invalid(f"sampling.min_tokens: {s.min_tokens} must be >= 0")
-    if s.min_tokens:
-        kw["min_tokens"] = s.min_tokens
     if len(s.stop) > MAX_STOP_STRINGS:
         raise invalid(f"sampling.stop: {len(s.stop)} stop strings; at most {MAX_STOP_STRINGS}")
     for i, stop in enumerate(s.stop):
         if not stop or len(stop) > MAX_STOP_STRING_CHARS:
             raise invalid(f"sampling.stop[{i}]: must have 1..{MAX_STOP_STRING_CHARS} characters")
-    if s.stop:
-        kw["stop"] = list(s.stop)
     if len(s.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise invalid(f"sampling.stop_token_ids: at most {MAX_STOP_TOKEN_IDS}")
     for i, t in enumerate(s.stop_token_ids):
         if not 0 <= t < limits.vocab_size:
             raise invalid(f"sampling.stop_token_ids[{i}]: {t} is outside the vocabulary")
-    if s.stop_token_ids:
-        kw["stop_token_ids"] = list(s.stop_token_ids)
-    if s.ignore_eos:
-        kw["ignore_eos"] = True
     if s.HasField("seed"):
-        kw["seed"] = s.seed
+        if s.seed > MAX_SEED:
+            raise invalid(f"sampling.seed: {s.seed} must be at most {MAX_SEED}")
+        seed = s.seed
     if s.HasField("logprobs"):
         if not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise invalid(f"sampling.logprobs: {s.logprobs} must be in [0, {MAX_LOGPROBS}]")
-        kw["logprobs"] = s.logprobs
-    return kw
+        logprobs = s.logprobs
+    return Sampling(
+        temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
+        presence_penalty=presence, frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
+        min_tokens=s.min_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos, seed=seed, logprobs=logprobs)
 
 
-def resolve_max_tokens(s: pb.SamplingParams, prompt_len: int, limits: Limits) -> int:
+def resolve_max_tokens(s: Sampling, prompt_len: int, limits: Limits) -> int:
     """Check the prompt against the context and pick max_tokens (default: the rest of
     the context, as vLLM does)."""
     room = limits.max_model_len - prompt_len
@@ -171,7 +167,11 @@ def resolve_max_tokens(s: pb.SamplingParams, prompt_len: int, limits: Limits) ->
             f"prompt: {prompt_len} tokens leave no room for output in the context of "
             f"{limits.max_model_len} tokens; shorten the prompt"
         )
-    if not s.HasField("max_tokens"):
+    if s.max_tokens is None:
+        if s.min_tokens > room:
+            raise invalid(
+                f"sampling.min_tokens: {s.min_tokens} is more than the {room} tokens the "
+                f"context of {limits.max_model_len} leaves after a {prompt_len}-token prompt")
         return room
     if s.max_tokens <= 0:
         raise invalid(f"sampling.max_tokens: {s.max_tokens} must be >= 1")

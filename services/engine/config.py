@@ -27,6 +27,16 @@ def format_cores(cores: list[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
+def split_cores(prefill_cores: str = "", decode_cores: str = "") -> tuple[str, str]:
+    """Cores for the prefill and decode roles on one machine: as given, else the first
+    and the second half of the cores this process may use."""
+    cores = available_cores()
+    half = max(1, len(cores) // 2)
+    prefill = prefill_cores or format_cores(cores[:half])
+    decode = decode_cores or format_cores(cores[half:] or cores)
+    return prefill, decode
+
+
 class EngineConfig(BaseSettings):
     """How one vLLM engine is built. Env prefix PDSERVE_."""
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.engine.config import EngineConfig, cpu_only
 from services.engine.model import resolve_model
+from services.errors import EngineDead, InvalidRequest
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -37,26 +38,6 @@ class ModelFacts:
     has_chat_template: bool
     tokenizer_class: str
     dtype: str
-
-
-@dataclass(frozen=True, slots=True)
-class EngineTimings:
-    """Per-request engine timings in seconds, from vLLM's own monotonic stamps."""
-
-    queue_s: float  # queued -> first scheduled
-    prefill_s: float  # first scheduled -> first token
-    decode_s: float  # first token -> last token
-
-    @classmethod
-    def from_output(cls, output: RequestOutput) -> EngineTimings:
-        m: Any = output.metrics
-        if m is None or not getattr(m, "queued_ts", 0.0):
-            return cls(0.0, 0.0, 0.0)
-        return cls(
-            queue_s=max(0.0, m.scheduled_ts - m.queued_ts),
-            prefill_s=max(0.0, m.first_token_ts - m.scheduled_ts),
-            decode_s=max(0.0, m.last_token_ts - m.first_token_ts),
-        )
 
 
 class Engine:
@@ -156,20 +137,35 @@ class Engine:
     async def generate(
         self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Stream outputs; closing or cancelling the iterator aborts the request."""
+        """Stream outputs; closing or cancelling the iterator aborts the request.
+        vLLM's refusals of a parameter raise `InvalidRequest`; a dead engine raises
+        `EngineDead` (and `dead` turns true)."""
+        from vllm.exceptions import VLLMValidationError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         try:
             async for out in self.llm.generate(
                 {"prompt_token_ids": prompt_token_ids}, params, request_id
             ):
                 yield out
+        except (VLLMValidationError, ValueError) as e:  # vLLM's own parameter checks
+            raise InvalidRequest(f"the engine refused the request: {e}") from e
+        except EngineDeadError as e:
+            log.error("the engine died serving %s: %s", request_id, e)
+            raise EngineDead("the engine of this worker is not running") from e
         finally:
             # vLLM aborts on cancellation itself; an explicit abort also covers a
             # consumer that simply stops iterating (aclose).
             await self.abort(request_id)
 
     async def abort(self, request_id: str) -> None:
-        if self._llm is not None:
+        if self._llm is not None and not self.dead:
             await self._llm.abort(request_id)
+
+    @property
+    def dead(self) -> bool:
+        """The engine core is gone (crashed or killed): nothing more can be served."""
+        return self._llm is not None and bool(getattr(self._llm, "errored", False))
 
     def num_unfinished(self) -> int:
         return int(self.llm.get_num_unfinished_requests())

@@ -24,6 +24,17 @@ FAULT_NOISE_KV = "noise_kv"  # the receiver overwrites the loaded blocks with no
 FAULTS = ("", FAULT_CORRUPT_CHUNK, FAULT_NOISE_KV)
 
 
+def check_fault(fault: str, allowed: bool) -> None:
+    """Refuse an unknown fault, and any fault on a worker that does not allow them."""
+    from services.errors import InvalidRequest, PermissionDenied
+
+    if fault not in FAULTS:
+        raise InvalidRequest(f"fault: {fault!r} is not one of {FAULTS[1:]}")
+    if fault and not allowed:
+        raise PermissionDenied(
+            "fault: fault injection is off on this worker (--allow-fault-injection)")
+
+
 def send_params(
     transfer_id: str,
     kv_address: str,

@@ -17,41 +17,51 @@ import threading
 import time
 from typing import Any
 
-from pydantic_settings import BaseSettings
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.api.server import ServerConfig, generation_service, serve
-from services.engine.config import EngineConfig, available_cores, format_cores
+from services.engine.config import EngineConfig, split_cores
 from services.engine.model import resolve_model
-from services.router.orchestrator import DisaggBackend
+from services.launcher.up import LauncherConfig
+from services.router.config import RouterConfig
+from services.router.orchestrator import check_pair
+from services.router.router import RouterBackend
+from services.router.view import FixedView, record_of
+from services.rpc import dial, free_port
 from services.settings import add_arguments, env_name, from_arguments
-from services.workers import WorkerConfig, free_port
+from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
 ERROR_LINE = re.compile(r"\b\w*(Error|Exception): ")
 
+# The router settings that apply to one local pair (no Redis, no prefix index, one
+# pool each), and the placement settings `pdserve up` shares.
+PAIR_ROUTER_FIELDS = ("policy", "local_prefill_max_tokens", "prefill_max_queued_tokens",
+                      "max_inflight", "client_max_inflight", "retry_after_ms")
+PAIR_PLACEMENT_FIELDS = ("prefill_cores", "decode_cores")
 
-def tokens(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a token count must be >= 0, got {value}")
-    return value
+
+class LocalPairConfig(BaseSettings):
+    """`serve --mode disagg`: the local pair's own ports. Env prefix PDSERVE_."""
+
+    model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
+
+    prefill_port: int = Field(0, ge=0, le=65535, description="gRPC port of the local "
+                              "prefill worker (0 = a free port)")
+    decode_port: int = Field(0, ge=0, le=65535, description="gRPC port of the local decode "
+                             "worker (0 = a free port)")
+    prefill_metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the "
+                                      "local prefill worker (0 = off)")
+    decode_metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the "
+                                     "local decode worker (0 = off)")
 
 
 def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, WorkerConfig)
-    g = parser.add_argument_group("local disaggregated pair (--mode disagg)")
-    g.add_argument("--prefill-cores", default="",
-                   help="cores of the prefill worker; default: the first half of the cores")
-    g.add_argument("--decode-cores", default="",
-                   help="cores of the decode worker; default: the second half of the cores")
-    g.add_argument("--local-prefill-max-tokens", type=tokens, default=0,
-                   help="prompts up to this many tokens prefill on the decode worker "
-                   "instead of being shipped (0 = always disaggregate)")
-    for role in ("prefill", "decode"):
-        g.add_argument(f"--{role}-port", type=int, default=0,
-                       help=f"gRPC port of the {role} worker (0 = a free port)")
-        g.add_argument(f"--{role}-metrics-port", type=int, default=0,
-                       help=f"Prometheus port of the {role} worker (0 = off)")
+    add_arguments(parser, RouterConfig, only=PAIR_ROUTER_FIELDS)
+    add_arguments(parser, LauncherConfig, only=PAIR_PLACEMENT_FIELDS)
+    add_arguments(parser, LocalPairConfig)
 
 
 def settings_env(settings: BaseSettings) -> dict[str, str]:
@@ -62,15 +72,6 @@ def settings_env(settings: BaseSettings) -> dict[str, str]:
         env[env_name(type(settings), name)] = str(value).lower() if isinstance(
             value, bool) else str(value)
     return env
-
-
-def split_cores(prefill_cores: str = "", decode_cores: str = "") -> tuple[str, str]:
-    """Cores for the prefill and decode roles: as given, else the two halves."""
-    cores = available_cores()
-    half = max(1, len(cores) // 2)
-    prefill = prefill_cores or format_cores(cores[:half])
-    decode = decode_cores or format_cores(cores[half:] or cores)
-    return prefill, decode
 
 
 class LocalWorker:
@@ -135,31 +136,51 @@ async def wait_healthy(worker: LocalWorker, timeout: float = 600.0) -> None:
             await asyncio.sleep(0.5)
 
 
+async def pair_view(prefill_target: str, decode_target: str) -> FixedView:
+    """The pair as the router sees it, from the workers' own GetWorkerInfo; an
+    incompatible pair is refused here, before anything is served."""
+    from pdserve.v1 import worker_pb2 as wpb
+    from pdserve.v1 import worker_pb2_grpc as wpb_grpc
+
+    async with dial(prefill_target) as p, dial(decode_target) as d:
+        request = wpb.GetWorkerInfoRequest()
+        prefill = await wpb_grpc.PrefillServiceStub(p).GetWorkerInfo(request, timeout=10)
+        decode = await wpb_grpc.DecodeServiceStub(d).GetWorkerInfo(request, timeout=10)
+    check_pair(prefill, decode)
+    return FixedView([record_of(prefill, prefill_target), record_of(decode, decode_target)])
+
+
 async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig,
                               args: argparse.Namespace) -> None:
     from transformers import AutoTokenizer
 
     worker_cfg = from_arguments(WorkerConfig, args)
+    router_cfg = from_arguments(RouterConfig, args)
+    placement = from_arguments(LauncherConfig, args)
+    ports = from_arguments(LocalPairConfig, args)
     model_path = resolve_model(engine_cfg.model, engine_cfg.resolved_dtype())
-    prefill_cores, decode_cores = split_cores(args.prefill_cores, args.decode_cores)
+    prefill_cores, decode_cores = split_cores(placement.prefill_cores, placement.decode_cores)
     base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg)}
     workers = [
-        LocalWorker(role, getattr(args, f"{role}_port") or free_port(),
-                    getattr(args, f"{role}_metrics_port"),
+        LocalWorker(role, getattr(ports, f"{role}_port") or free_port(),
+                    getattr(ports, f"{role}_metrics_port"),
                     {**base, "PDSERVE_CPU_CORES": cores, "PDSERVE_WORKER_ID": f"local-{role}"})
         for role, cores in (("prefill", prefill_cores), ("decode", decode_cores))
     ]
-    backend = DisaggBackend(AutoTokenizer.from_pretrained(str(model_path)), str(model_path),
-                            args.local_prefill_max_tokens)
+    backend: RouterBackend | None = None
     try:
         log.info("starting the prefill worker (cores %s) and the decode worker (cores %s)",
                  prefill_cores, decode_cores)
         await asyncio.gather(*(wait_healthy(w) for w in workers))
-        await backend.connect(workers[0].target, workers[1].target)
+        view = await pair_view(workers[0].target, workers[1].target)
+        backend = RouterBackend(router_cfg, view, AutoTokenizer.from_pretrained(
+            str(model_path)), str(model_path))
+        await backend.start(wait_for_workers_s=0)
         await serve(server_cfg, [generation_service(backend)],
                     f"pdserve (disaggregated) serving {backend.facts.name}",
                     http_backend=backend)
     finally:
-        await backend.close()
+        if backend is not None:
+            await backend.close()
         for w in workers:
             w.stop()

@@ -1,8 +1,10 @@
 """The router: the public API in front of pools of prefill and decode workers.
 
-Each request is admitted (bounded in-flight count, per-client limit in Redis), routed
-(a policy picks the pair from the registry's view plus this router's own in-flight
-counts and the prefix index), then run as prefill -> decode (`orchestrator.run_pair`).
+Each request is admitted (bounded in-flight count, per-client leases), routed (a policy
+picks the pair from the worker view plus this router's own in-flight counts and the
+prefix index), then run as prefill -> decode (`orchestrator.run_pair`). The view is
+Redis's registry for `pdserve router`, or the fixed local pair for `serve --mode
+disagg`: one implementation of pair choice and conditional disaggregation for both.
 Router replicas keep no state of their own beyond what is in flight: any of them can
 serve any request.
 """
@@ -20,15 +22,14 @@ import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.v1 import worker_pb2 as wpb
-from pdserve.v1 import worker_pb2_grpc as wpb_grpc
-from services.api.backend import Delta, GenerationRequest
-from services.api.server import grpc_options
-from services.api.validation import RequestError
 from services.engine.engine import ModelFacts
+from services.errors import Overloaded, Unavailable, WorkerFailure
+from services.messages import Delta, GenerationRequest
+from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
-from services.registry.registry import Registry
 from services.router.config import RouterConfig
-from services.router.orchestrator import model_facts, run_pair
+from services.router.facts import model_facts
+from services.router.orchestrator import Peer, run_pair
 from services.router.policies import (
     Choice,
     LocalLoad,
@@ -38,6 +39,8 @@ from services.router.policies import (
     prefill_pool_full,
 )
 from services.router.prefix import block_hashes
+from services.router.view import WorkerView
+from services.rpc import dial
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -60,18 +63,22 @@ E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side reque
                 buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
 
 
+SUSPECT_S = 5.0  # a worker that just failed a call is skipped this long
+
+
 class RouterBackend:
     mode = "disaggregated"
 
-    def __init__(self, config: RouterConfig, registry: Registry, tokenizer: PreTrainedTokenizerBase,
-                 model_path: str) -> None:
+    def __init__(self, config: RouterConfig, view: WorkerView,
+                 tokenizer: PreTrainedTokenizerBase, model_path: str, fault: str = "") -> None:
         self.config = config
-        self.registry = registry
+        self.view = view
         self._tokenizer = tokenizer
         self._model_path = model_path
         self.policy: Policy = make_policy(config.policy, config.local_prefill_max_tokens)
         self.local = LocalLoad()
         self.inflight = 0
+        self.fault = fault  # fault injection on every request (tests; workers must allow)
         self._view: list[WorkerRecord] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._facts: ModelFacts | None = None
@@ -83,11 +90,13 @@ class RouterBackend:
 
     # -- the worker view --------------------------------------------------------------
     async def start(self, wait_for_workers_s: float = 600.0) -> None:
-        """Read the registry until a decode worker is there, then keep refreshing."""
+        """Read the view until a decode worker is there, then keep refreshing."""
         deadline = time.monotonic() + wait_for_workers_s
         while True:
-            with contextlib.suppress(Exception):
+            try:
                 await self.refresh()
+            except Exception as e:  # Redis not up yet: keep waiting
+                log.debug("worker view not readable yet: %s", e)
             if any(w.role == "decode" for w in self._view):
                 break
             if time.monotonic() > deadline:
@@ -96,7 +105,7 @@ class RouterBackend:
         self._refresher = asyncio.create_task(self._refresh_forever())
 
     async def refresh(self) -> None:
-        view = await self.registry.workers()
+        view = await self.view.workers()
         if not view and self._empty_since == float("inf"):
             self._empty_since = time.monotonic()
         if not view and self._view and time.monotonic() < self._empty_since + 10.0:
@@ -118,7 +127,7 @@ class RouterBackend:
             try:
                 await self.refresh()
             except Exception as e:  # Redis away: keep routing on the last view
-                log.warning("registry refresh failed (%s); using the last view", e)
+                log.warning("worker view refresh failed (%s); using the last view", e)
 
     async def close(self) -> None:
         if self._refresher is not None:
@@ -126,11 +135,10 @@ class RouterBackend:
         for channel in self._channels.values():
             await channel.close()
 
-    def channel(self, address: str) -> grpc.aio.Channel:
-        if address not in self._channels:
-            self._channels[address] = grpc.aio.insecure_channel(address,
-                                                                options=grpc_options(64 << 20))
-        return self._channels[address]
+    def peer(self, w: WorkerRecord) -> Peer:
+        if w.address not in self._channels:
+            self._channels[w.address] = dial(w.address)
+        return Peer(w.worker_id, self._channels[w.address])
 
     @property
     def facts(self) -> ModelFacts:
@@ -142,16 +150,19 @@ class RouterBackend:
         return self._tokenizer
 
     # -- requests ---------------------------------------------------------------------
-    def _reject(self, reason: str, message: str) -> RequestError:
+    def _reject(self, reason: str, message: str) -> Overloaded:
         REJECTIONS.labels(reason).inc()
-        return RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                            f"{message}; retry in {self.config.retry_after_ms} ms",
-                            retry_after_ms=self.config.retry_after_ms)
+        return Overloaded(message, self.config.retry_after_ms)
 
     def _live(self, role: str) -> list[WorkerRecord]:
         now = time.monotonic()
         return [w for w in self._view if w.role == role
                 and self._suspects.get(w.worker_id, 0.0) < now]
+
+    def _suspect(self, worker_id: str) -> None:
+        """Take a worker out of rotation for a while: it refused a connection or broke a
+        stream. Only worker failures get here, never a client's error."""
+        self._suspects[worker_id] = time.monotonic() + SUSPECT_S
 
     async def _choose(self, req: GenerationRequest, hashes: list[str]) -> Choice:
         prefills, decodes = self._live("prefill"), self._live("decode")
@@ -162,11 +173,11 @@ class RouterBackend:
                 await self.refresh()
             prefills, decodes = self._live("prefill"), self._live("decode")
         if not decodes:
-            raise RequestError(grpc.StatusCode.UNAVAILABLE, "no decode worker is registered")
+            raise Unavailable("no decode worker is registered")
         hits: dict[str, int] = {}
         if hashes:
             try:
-                hits = await self.registry.prefix_hits(hashes, self.config.prefix_block_size)
+                hits = await self.view.prefix_hits(hashes, self.config.prefix_block_size)
             except Exception as e:  # the index is an optimization: route without it
                 log.warning("prefix lookup failed: %s", e)
         choice = self.policy.choose(prefills, decodes, RouteInput(len(req.prompt_token_ids),
@@ -177,46 +188,48 @@ class RouterBackend:
             raise self._reject("prefill_queue", full)
         return choice
 
-    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+    async def _admit(self, req: GenerationRequest) -> Lease | None:
         if self.inflight >= self.config.max_inflight:
             raise self._reject("router_queue", f"router has {self.inflight} requests in flight")
         limit = self.config.client_max_inflight
-        if (limit and req.client_id
-                and not await self.registry.acquire_client_slot(req.client_id, limit)):
+        if not (limit and req.client_id):
+            return None
+        lease = await self.view.acquire_client_lease(req.client_id, limit)
+        if lease is None:
             raise self._reject("client_limit", f"client {req.client_id!r} has {limit} "
                                "requests in flight")
+        return lease
+
+    async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        started = time.monotonic()
+        lease = await self._admit(req)
         self.inflight += 1
         INFLIGHT.set(self.inflight)
-        started = time.monotonic()
         hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
         try:
             for attempt in range(2):
                 choice = await self._choose(req, hashes)
                 PAIR_CHOICES.labels(choice.reason).inc()
                 DISAGG.labels("remote" if choice.prefill else "local").inc()
-                streamed = False
                 try:
                     async for delta in self._run(req, choice, hashes, started):
-                        streamed = True
                         yield delta
                     return
-                except RequestError as e:
-                    # A worker that vanished before the first token: nothing reached the
+                except WorkerFailure as e:
+                    # A worker that broke before the first token: nothing reached the
                     # client yet, so route again (once) around it.
-                    if streamed or attempt or e.code != grpc.StatusCode.UNAVAILABLE:
+                    self._suspect(e.worker_id)
+                    if e.streamed or attempt:
                         raise
-                    failed = choice.prefill if (choice.prefill is not None and
-                                                e.message.startswith("prefill")) else choice.decode
-                    self._suspects[failed.worker_id] = time.monotonic() + 5.0
                     RETRIES.inc()
                     log.warning("re-routing %s: %s", req.request_id, e.message)
         finally:
             self.inflight -= 1
             INFLIGHT.set(self.inflight)
             E2E.observe(time.monotonic() - started)
-            if limit and req.client_id:
+            if lease is not None:
                 with contextlib.suppress(Exception):
-                    await self.registry.release_client_slot(req.client_id)
+                    await self.view.release_client_lease(lease)
 
     async def _run(self, req: GenerationRequest, choice: Choice, hashes: list[str],
                    started: float) -> AsyncIterator[Delta]:
@@ -226,27 +239,25 @@ class RouterBackend:
         self.local.add(loaded.worker_id, tokens)
         if p is not None:
             self.local.add(d.worker_id, 0)
-        first = True
         for w in (p, d):
             if w is not None:
                 WORKER_REQUESTS.labels(w.worker_id, w.role).inc()
+        target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch, kv_address=d.kv_address,
+                              kv_transport=d.kv_transport, fingerprint_digest=d.fingerprint,
+                              same_host=p is not None and p.host == d.host)
+        dispatched = time.monotonic()
+        first = True
         try:
-            target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch,
-                                  kv_address=d.kv_address, kv_transport=d.kv_transport,
-                                  fingerprint_digest=d.fingerprint)
-            prefill = wpb_grpc.PrefillServiceStub(self.channel(p.address)) if p else None
-            async for delta in run_pair(req, prefill,
-                                        wpb_grpc.DecodeServiceStub(self.channel(d.address)),
-                                        target):
+            async for delta in run_pair(req, self.peer(p) if p else None, self.peer(d),
+                                        target, self.fault):
                 if first:
                     first = False
                     TTFT.observe(time.monotonic() - started)
-                    delta.timings.setdefault("router_queue_s", 0.0)
                     if p is not None and hashes:
                         with contextlib.suppress(Exception):
-                            await self.registry.record_prefix(p.worker_id, hashes)
+                            await self.view.record_prefix(p.worker_id, hashes)
                 if delta.finished:
-                    delta.timings["router_queue_s"] = 0.0
+                    delta.timings.router_queue_s = dispatched - started
                 yield delta
         finally:
             self.local.add(loaded.worker_id, tokens, -1)

@@ -16,6 +16,8 @@ log = logging.getLogger(__name__)
 
 async def run_router(server_cfg: ServerConfig, config: RouterConfig,
                      on_ready: Callable[[int], None] | None = None) -> None:
+    """Serve the public API over the workers registered in `config.redis_url` until
+    SIGTERM/SIGINT; `on_ready` gets the bound gRPC port."""
     from transformers import AutoTokenizer
 
     if not config.redis_url:
@@ -30,7 +32,8 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
         await backend.start()
         await serve(server_cfg, [generation_service(backend)],
                     f"pdserve router ({config.policy}) serving {backend.facts.name}",
-                    on_ready=on_ready, http_backend=backend)
+                    on_ready=lambda bound: on_ready(bound.port) if on_ready else None,
+                    http_backend=backend)
     finally:
         await backend.close()
         await registry.close()

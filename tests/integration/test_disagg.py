@@ -15,10 +15,12 @@ import pytest
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
-from services.api.backend import GenerationRequest
 from services.api.client import PdserveClient, build_request, collect
 from services.kv.params import FAULT_CORRUPT_CHUNK, FAULT_NOISE_KV
-from services.router.orchestrator import DisaggBackend
+from services.messages import GenerationRequest, Sampling
+from services.router.config import RouterConfig
+from services.router.local import pair_view
+from services.router.router import RouterBackend
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import DisaggStack, ServerProcess, scrape
 
@@ -84,18 +86,16 @@ async def test_short_prompts_prefill_on_the_decode_worker_when_asked(
     disagg_grpc: DisaggStack, colocated: ServerProcess, tokenizer  # type: ignore[no-untyped-def]
 ) -> None:
     """Conditional disaggregation: below the threshold nothing is shipped, same tokens."""
-    backend = await backend_for(disagg_grpc, tokenizer)
-    backend.local_prefill_max_tokens = 100
+    backend = await backend_for(disagg_grpc, tokenizer, local_prefill_max_tokens=100)
     try:
         for n, shipped in ((100, False), (101, True)):
             ids = prompt_of_length(tokenizer, n, salt=f"conditional {n}")
-            req = GenerationRequest(uuid.uuid4().hex, ids, pb.SamplingParams(temperature=0.0),
-                                    {"temperature": 0.0, "ignore_eos": True}, 6)
+            req = GenerationRequest(uuid.uuid4().hex, ids, GREEDY, 6)
             deltas = [d async for d in backend.generate(req)]
             assert [t for d in deltas for t in d.token_ids] == await greedy(
                 colocated.target, ids, max_tokens=6)
             timings = deltas[-1].timings
-            assert (timings.get("kv_transfer_bytes", 0) > 0) == shipped, f"{n} tokens"
+            assert (timings.kv_transfer_bytes > 0) == shipped, f"{n} tokens"
     finally:
         await backend.close()
 
@@ -104,16 +104,22 @@ def delta(before: dict[str, float], after: dict[str, float], name: str) -> float
     return after.get(name, 0.0) - before.get(name, 0.0)
 
 
-async def backend_for(stack: DisaggStack, tokenizer, fault: str = "") -> DisaggBackend:  # type: ignore[no-untyped-def]
-    backend = DisaggBackend(tokenizer, "")
-    await backend.connect(stack.prefill_target, stack.decode_target)
-    backend.fault = fault
+GREEDY = Sampling(temperature=0.0, ignore_eos=True)
+
+
+async def backend_for(stack: DisaggStack, tokenizer, fault: str = "",  # type: ignore[no-untyped-def]
+                      local_prefill_max_tokens: int = 0) -> RouterBackend:
+    """The router over this stack's pair, as `serve --mode disagg` runs it, with fault
+    injection on every request."""
+    view = await pair_view(stack.prefill_target, stack.decode_target)
+    config = RouterConfig(local_prefill_max_tokens=local_prefill_max_tokens)
+    backend = RouterBackend(config, view, tokenizer, "", fault)
+    await backend.start(wait_for_workers_s=0)
     return backend
 
 
-async def run_backend(backend: DisaggBackend, ids: list[int], max_tokens: int) -> list[int]:
-    req = GenerationRequest(uuid.uuid4().hex, ids, pb.SamplingParams(temperature=0.0),
-                            {"temperature": 0.0, "ignore_eos": True}, max_tokens)
+async def run_backend(backend: RouterBackend, ids: list[int], max_tokens: int) -> list[int]:
+    req = GenerationRequest(uuid.uuid4().hex, ids, GREEDY, max_tokens)
     out: list[int] = []
     async for delta in backend.generate(req):
         out += delta.token_ids
@@ -211,10 +217,12 @@ async def test_fingerprint_mismatch_is_refused(
         info = await wpb_grpc.DecodeServiceStub(channel).GetWorkerInfo(
             wpb.GetWorkerInfoRequest())
     target = wpb.KVTarget(worker_id=info.worker_id, epoch=info.epoch,
-                          kv_address=info.kv_address, fingerprint_digest="0123456789abcdef")
+                          kv_address=info.kv_address, kv_transport=info.kv_transport,
+                          fingerprint_digest="0123456789abcdef")
     with pytest.raises(grpc.aio.AioRpcError) as err:
         await prefill_stub.Prefill(wpb.PrefillRequest(
-            prompt_token_ids=[1, 2, 3], transfer_id="t-mismatch", target=target))
+            request_id="r-mismatch", prompt_token_ids=[1, 2, 3], transfer_id="t-mismatch",
+            sampling=pb.SamplingParams(max_tokens=1), target=target))
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
     assert "KV layout" in (err.value.details() or "")
 
@@ -242,7 +250,7 @@ async def test_bad_transfer_handles_are_recomputed(
     metric = "pdserve_kv_transfer_failures_total"
     before = scrape(disagg_grpc.decode_metrics).get(metric, 0.0)
     got = await _decode(disagg_grpc, wpb.DecodeRequest(
-        prompt_token_ids=ids, first_token_id=expected[0],
+        request_id=uuid.uuid4().hex, prompt_token_ids=ids, first_token_id=expected[0],
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
         handle=wpb.TransferHandle(transfer_id=f"never-sent-{bad}", num_tokens=len(ids),
                                   decode_epoch=epoch)))
@@ -256,7 +264,7 @@ async def test_bad_transfer_handles_are_recomputed(
 async def test_bad_decode_requests_are_refused(
     disagg_grpc: DisaggStack, field: str, value: object
 ) -> None:
-    req = wpb.DecodeRequest(prompt_token_ids=[1, 2, 3], first_token_id=4,
+    req = wpb.DecodeRequest(request_id="r-bad", prompt_token_ids=[1, 2, 3], first_token_id=4,
                             sampling=pb.SamplingParams(max_tokens=2),
                             handle=wpb.TransferHandle(transfer_id="x", num_tokens=3))
     if field == "prompt_token_ids":

@@ -235,9 +235,9 @@ def k8s_errors(obj: dict[str, Any], version: str, schema_file: str | None = None
 # -- pdserve's settings and CLI ---------------------------------------------------------
 @functools.lru_cache(maxsize=1)
 def settings_models() -> dict[str, Any]:
-    from services import settings
+    from services import config_doc
 
-    models = {m.__name__: m for m in settings.settings_models()}
+    models = {m.__name__: m for m in config_doc.settings_models()}
     assert set(models) >= {name for names in COMMAND_MODELS.values() for name in names}
     return models
 

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from services.settings import markdown_reference
+from services.config_doc import markdown_reference
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 
 
 def test_configuration_reference_is_fresh() -> None:
     assert DOC.read_text() == markdown_reference(), (
-        "docs/configuration.md is stale: run `python -m services.settings > "
+        "docs/configuration.md is stale: run `python -m services.config_doc > "
         "docs/configuration.md`")

@@ -12,7 +12,6 @@ import grpc
 import httpx
 import pytest
 
-from services.api.backend import Delta, GenerationRequest, TokenLogprob
 from services.api.openai_http import create_app
 from services.api.openai_schema import (
     ChatCompletionRequest,
@@ -21,8 +20,19 @@ from services.api.openai_schema import (
     completion_request,
     openai_error,
 )
-from services.api.validation import RequestError, invalid
+from services.api.validation import invalid
 from services.engine.engine import ModelFacts
+from services.errors import (
+    Aborted,
+    DeadlineExceeded,
+    FailedCall,
+    ModelNotFound,
+    Overloaded,
+    PdserveError,
+    Unavailable,
+    WorkerFailure,
+)
+from services.messages import Delta, GenerationRequest, Timings, TokenLogprob
 
 FACTS = ModelFacts(name="m", path=Path("m"), max_model_len=64, vocab_size=200,
                    eos_token_ids=(0,), bos_token_id=None, has_chat_template=True,
@@ -46,11 +56,12 @@ class FakeTokenizer:
 
 
 class ScriptedBackend:
-    """Answers every request with `script`: deltas, or a RequestError to raise there."""
+    """A fake backend: answers every request with `script`, deltas or an error to raise
+    there."""
 
     mode = "colocated"
 
-    def __init__(self, script: list[Delta | RequestError]) -> None:
+    def __init__(self, script: list[Delta | PdserveError]) -> None:
         self.script = script
         self.requests: list[GenerationRequest] = []
         self.facts = FACTS
@@ -59,18 +70,18 @@ class ScriptedBackend:
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         self.requests.append(req)
         for step in self.script:
-            if isinstance(step, RequestError):
+            if isinstance(step, PdserveError):
                 raise step
             yield step
 
 
-def _answer(logprobs: bool = False) -> list[Delta | RequestError]:
+def _answer(logprobs: bool = False) -> list[Delta | PdserveError]:
     lps = [TokenLogprob(72, -0.1, [(72, -0.1), (73, -2.5)]),
            TokenLogprob(105, -0.2, [(105, -0.2), (106, -3.0)])]
     return [Delta([72, 105], "Hi", logprobs=lps if logprobs else None),
             Delta([33], "!", logprobs=[TokenLogprob(33, float("-inf"), [])] if logprobs else None,
                   finished=True, finish_reason="stop", num_cached_tokens=2,
-                  timings={"queue_s": 0.001, "prefill_s": 0.01, "decode_s": 0.02})]
+                  timings=Timings(queue_s=0.001, prefill_s=0.01, decode_s=0.02))]
 
 
 async def post(backend: ScriptedBackend, path: str, body: dict[str, Any],
@@ -128,7 +139,7 @@ def test_chat_mapping() -> None:
     ({"prompt": [1, 2**33]}, "prompt[1]:"),
 ])
 def test_completion_refusals(body: dict[str, Any], needle: str) -> None:
-    with pytest.raises(RequestError, match=needle.replace("[", r"\[").replace("]", r"\]")):
+    with pytest.raises(PdserveError, match=needle.replace("[", r"\[").replace("]", r"\]")):
         completion_request(CompletionRequest(**body), "r")
 
 
@@ -140,7 +151,7 @@ def test_completion_refusals(body: dict[str, Any], needle: str) -> None:
 ])
 def test_chat_refusals(body: dict[str, Any], needle: str) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], **body}
-    with pytest.raises(RequestError) as err:
+    with pytest.raises(PdserveError) as err:
         chat_request(ChatCompletionRequest(**body), "r")
     assert err.value.message.startswith(needle)
     chat_request(ChatCompletionRequest(**{**body, "response_format": {"type": "text"},
@@ -169,16 +180,21 @@ def test_error_names_the_http_field(message: str, chat: bool, expected: str,
                               "code": 400}}
 
 
-@pytest.mark.parametrize(("code", "status", "kind"), [
-    (grpc.StatusCode.NOT_FOUND, 404, "NotFoundError"),
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429, "RateLimitError"),
-    (grpc.StatusCode.UNAVAILABLE, 503, "ServiceUnavailableError"),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504, "GatewayTimeoutError"),
-    (grpc.StatusCode.ABORTED, 500, "InternalServerError"),
-    (grpc.StatusCode.INTERNAL, 500, "InternalServerError"),
+WORKER_GONE = WorkerFailure(FailedCall("decode", "d-0", grpc.StatusCode.UNAVAILABLE, "gone"))
+
+
+@pytest.mark.parametrize(("err", "status", "kind"), [
+    (ModelNotFound("x"), 404, "NotFoundError"),
+    (Overloaded("x"), 429, "RateLimitError"),
+    (Unavailable("x"), 503, "ServiceUnavailableError"),
+    (WORKER_GONE, 503, "ServiceUnavailableError"),
+    (DeadlineExceeded("x"), 504, "GatewayTimeoutError"),
+    (Aborted("x"), 500, "InternalServerError"),
+    (PdserveError("x"), 500, "InternalServerError"),
+    (RuntimeError("a bug"), 500, "InternalServerError"),
 ])
-def test_status_mapping(code: grpc.StatusCode, status: int, kind: str) -> None:
-    got, body = openai_error(RequestError(code, "x"), chat=False)
+def test_status_mapping(err: BaseException, status: int, kind: str) -> None:
+    got, body = openai_error(err, chat=False)
     assert (got, body["error"]["type"], body["error"]["code"]) == (status, kind, status)
 
 
@@ -198,7 +214,8 @@ async def test_completion_response_and_timings_header() -> None:
     timings = json.loads(resp.headers["x-pdserve-timings"])
     assert body["pdserve"]["timings"] == timings
     assert timings["prefill_s"] == 0.01 and 0 < timings["ttft_s"] <= timings["e2e_s"]
-    assert backend.requests[0].request_id == "abc"
+    assert backend.requests[0].client_request_id == "abc"  # echoed; ours is unique
+    assert backend.requests[0].request_id != "abc"
     assert backend.requests[0].prompt_token_ids == FakeTokenizer().encode("Hey")
 
 
@@ -288,22 +305,22 @@ async def test_malformed_json_and_unknown_route() -> None:
 
 
 @pytest.mark.parametrize("stream", [False, True])
-@pytest.mark.parametrize(("code", "status"), [
-    (grpc.StatusCode.RESOURCE_EXHAUSTED, 429), (grpc.StatusCode.UNAVAILABLE, 503),
-    (grpc.StatusCode.DEADLINE_EXCEEDED, 504), (grpc.StatusCode.INTERNAL, 500),
+@pytest.mark.parametrize(("err", "status"), [
+    (Overloaded("prefill worker: busy", 1500), 429), (Unavailable("prefill worker: busy"), 503),
+    (DeadlineExceeded("prefill worker: busy"), 504), (PdserveError("prefill worker: busy"), 500),
 ])
-async def test_backend_refusal_gets_http_status(code: grpc.StatusCode, status: int,
+async def test_backend_refusal_gets_http_status(err: PdserveError, status: int,
                                                 stream: bool) -> None:
-    backend = ScriptedBackend([RequestError(code, "prefill worker: busy")])
+    backend = ScriptedBackend([err])
     resp = await post(backend, "/v1/completions", {"prompt": "hi", "stream": stream})
     error = _check_error(resp, status, None)
-    assert error["message"] == "prefill worker: busy"
-    assert resp.headers.get("Retry-After") == ("1" if status == 429 else None)
+    assert error["message"] == err.message
+    assert resp.headers.get("Retry-After") == ("2" if status == 429 else None)
 
 
 async def test_error_after_first_token_is_an_event() -> None:
     backend = ScriptedBackend([Delta([72], "H"),
-                               RequestError(grpc.StatusCode.UNAVAILABLE, "decode worker: gone")])
+                               WORKER_GONE])
     resp = await post(backend, "/v1/completions", {"prompt": "hi", "stream": True})
     assert resp.status_code == 200
     chunks = events(resp)
@@ -314,9 +331,9 @@ async def test_error_after_first_token_is_an_event() -> None:
 async def test_engine_failures_map_like_grpc() -> None:
     class Broken(ScriptedBackend):
         async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
-            raise ValueError("bad parameter")
+            raise RuntimeError("a bug")
             yield  # pragma: no cover
 
-    _check_error(await post(Broken([]), "/v1/completions", {"prompt": "hi"}), 400, None)
+    _check_error(await post(Broken([]), "/v1/completions", {"prompt": "hi"}), 500, None)
     stopped = ScriptedBackend([Delta([72], "H")])  # the stream ends unfinished: aborted
     _check_error(await post(stopped, "/v1/completions", {"prompt": "hi"}), 500, None)

@@ -22,7 +22,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy")
+    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy", "host", "capacity", "dtype")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -34,6 +34,9 @@ class WorkerInfo(_message.Message):
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     KV_LOAD_FAILURE_POLICY_FIELD_NUMBER: _ClassVar[int]
+    HOST_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     epoch: int
@@ -45,21 +48,26 @@ class WorkerInfo(_message.Message):
     max_model_len: int
     vocab_size: int
     kv_load_failure_policy: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ...) -> None: ...
+    host: str
+    capacity: int
+    dtype: str
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ..., host: _Optional[str] = ..., capacity: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("worker_id", "epoch", "kv_address", "kv_transport", "fingerprint_digest")
+    __slots__ = ("worker_id", "epoch", "kv_address", "kv_transport", "fingerprint_digest", "same_host")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SAME_HOST_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     kv_address: str
     kv_transport: str
     fingerprint_digest: str
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ...) -> None: ...
+    same_host: bool
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
     __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall")

@@ -1,0 +1,142 @@
+"""The decode worker's gRPC service: continue a prefilled request from its shipped KV
+and stream tokens 2..n; or, without a transfer handle, serve a whole request (prefill
+included) as one engine would: conditional disaggregation, a missing prefill pool, a
+request migrated here mid-answer."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from prometheus_client import Counter, Histogram
+
+from pdserve.v1 import generate_pb2 as pb
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wpb_grpc
+from services import wire
+from services.api import validation
+from services.api.server import Service
+from services.api.servicer import abort_with
+from services.engine.outputs import delta_of_output, vllm_params
+from services.errors import Aborted, IncompatiblePair, Unavailable
+from services.kv.params import LOAD_KEY, check_fault, recv_params
+from services.messages import Delta, Timings
+from services.worker import checks
+from services.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+SERVICE = wpb.DESCRIPTOR.services_by_name["DecodeService"].full_name
+
+KV_BYTES = Counter("pdserve_kv_transfer_bytes", "KV bytes received from prefill workers")
+KV_SECONDS = Histogram("pdserve_kv_transfer_seconds", "first to last KV byte of a transfer",
+                       buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10))
+KV_FAILURES = Counter("pdserve_kv_transfer_failures", "KV transfers that could not be used "
+                      "(corrupt, late, missing, stale); recomputed or failed by policy",
+                      ["policy"])
+
+
+def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
+    return max(0.0, min(a1, b1) - max(a0, b0))
+
+
+class DecodeServicer(wpb_grpc.DecodeServiceServicer):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        facts = worker.engine.facts
+        self.limits = validation.Limits(facts.name, facts.max_model_len, facts.vocab_size)
+        self.policy = worker.config.kv_load_failure_policy
+
+    def _prompt(self, req: wpb.DecodeRequest) -> list[int]:
+        checks.check_id("request_id", req.request_id)
+        local = not req.HasField("handle")  # no prefill worker: prefill here
+        ids = [*req.prompt_token_ids] if local else [*req.prompt_token_ids, req.first_token_id]
+        checks.check_prompt(ids, self.limits, "prompt_token_ids + first_token_id")
+        h = req.handle
+        if not local:
+            checks.check_id("handle.transfer_id", h.transfer_id)
+            if not 0 < h.num_tokens <= len(req.prompt_token_ids):
+                raise validation.invalid(
+                    f"handle.num_tokens: {h.num_tokens} must be in 1..{len(req.prompt_token_ids)}"
+                    " (the prompt's tokens)")
+        check_fault(req.fault, self.worker.config.allow_fault_injection)
+        return ids
+
+    def _kv_params(self, req: wpb.DecodeRequest) -> dict[str, Any]:
+        """How this request's prompt KV arrives: by the transfer its handle names, or
+        (no handle; a stale one under the recompute policy) computed here."""
+        if not req.HasField("handle"):
+            return {}
+        h = req.handle
+        epoch = self.worker.identity.epoch
+        if h.decode_epoch == epoch:
+            return {"kv_transfer_params": recv_params(h.transfer_id, h.num_tokens, req.fault)}
+        stale = (f"stale transfer handle {h.transfer_id}: its KV was sent to epoch "
+                 f"{h.decode_epoch} of this worker, which restarted (epoch {epoch})")
+        KV_FAILURES.labels(self.policy).inc()
+        if self.policy == "fail":
+            raise IncompatiblePair(stale)
+        log.warning("%s; recomputing the prompt", stale)
+        return {}
+
+    async def Decode(self, req: wpb.DecodeRequest, context: grpc.aio.ServicerContext
+                     ) -> AsyncIterator[pb.GenerateResponse]:
+        try:
+            ids = self._prompt(req)
+            sampling, max_tokens = checks.check_sampling(req.sampling, self.limits, len(ids))
+            params = vllm_params(sampling, max_tokens, extra_args=self._kv_params(req))
+        except Exception as e:
+            await abort_with(context, e)
+        stream = self.worker.engine.generate(ids, params, req.request_id)
+        try:
+            async for out in stream:
+                delta = delta_of_output(out)
+                if delta.token_ids or delta.text:
+                    yield wire.chunk_pb(delta)
+                if not delta.finished:
+                    continue
+                if delta.finish_reason == "error":
+                    raise Unavailable("the prompt's KV transfer failed and the KV load failure "
+                                      "policy is 'fail'; retry the request")
+                delta.timings = self._timings(delta, out, req)
+                yield wire.final_pb(delta)
+                return
+            raise Aborted("the request was aborted by the server")
+        except Exception as e:
+            await abort_with(context, e)
+        finally:
+            await stream.aclose()  # type: ignore[attr-defined]
+
+    def _timings(self, delta: Delta, out: Any, req: wpb.DecodeRequest) -> Timings:
+        t = delta.timings
+        if not req.HasField("handle"):  # prefilled here: the phases as colocated reports them
+            timings = Timings(queue_s=t.queue_s, prefill_s=t.prefill_s, decode_s=t.decode_s)
+        else:
+            timings = Timings(decode_queue_s=t.queue_s, decode_s=t.prefill_s + t.decode_s)
+        report = (getattr(out, "kv_transfer_params", None) or {}).get(LOAD_KEY)
+        if report is None:
+            return timings
+        if not report["ok"]:
+            KV_FAILURES.labels(self.policy).inc()
+            return timings
+        h = req.handle
+        first, last = report["first_byte_wall"], report["last_byte_wall"]
+        timings.kv_transfer_s = max(0.0, last - first)
+        timings.kv_transfer_bytes = int(report["bytes"])
+        timings.kv_transfer_hidden_s = overlap(first, last, h.prefill_start_wall,
+                                               h.prefill_done_wall)
+        KV_BYTES.inc(report["bytes"])
+        KV_SECONDS.observe(timings.kv_transfer_s)
+        return timings
+
+    async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
+        return self.worker.info()
+
+
+def decode_service(worker: Worker) -> Service:
+    servicer = DecodeServicer(worker)
+    return Service(SERVICE, lambda server: wpb_grpc.add_DecodeServiceServicer_to_server(
+        servicer, server))

@@ -1,0 +1,98 @@
+"""The prefill worker's gRPC service: run the prompt, sample the first token, ship the
+prompt's KV to the decode worker named in the request (the connector does the
+shipping, layer by layer, during the forward pass)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import grpc
+
+from pdserve.v1 import worker_pb2 as wpb
+from pdserve.v1 import worker_pb2_grpc as wpb_grpc
+from services import wire
+from services.api import validation
+from services.api.server import Service
+from services.api.servicer import abort_with
+from services.engine.outputs import delta_of_output, vllm_params
+from services.errors import Aborted, InvalidRequest
+from services.kv.params import check_fault, send_params
+from services.messages import Sampling
+from services.worker import checks
+from services.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+SERVICE = wpb.DESCRIPTOR.services_by_name["PrefillService"].full_name
+
+
+class PrefillServicer(wpb_grpc.PrefillServiceServicer):
+    def __init__(self, worker: Worker) -> None:
+        self.worker = worker
+        facts = worker.engine.facts
+        self.limits = validation.Limits(facts.name, facts.max_model_len, facts.vocab_size)
+
+    def _check(self, req: wpb.PrefillRequest) -> None:
+        checks.check_id("request_id", req.request_id)
+        checks.check_id("transfer_id", req.transfer_id)
+        checks.check_prompt(list(req.prompt_token_ids), self.limits, "prompt_token_ids")
+        if req.sampling.max_tokens != 1:
+            raise InvalidRequest(f"sampling.max_tokens: {req.sampling.max_tokens}; a prefill "
+                                 "request produces exactly one token")
+        fp = self.worker.fingerprint
+        checks.check_target(req.target, fp.digest(), str(fp.to_dict()))
+        check_fault(req.fault, self.worker.config.allow_fault_injection)
+
+    async def Prefill(self, req: wpb.PrefillRequest, context: grpc.aio.ServicerContext
+                      ) -> wpb.PrefillResponse:
+        try:
+            self._check(req)
+            sampling, _ = checks.check_sampling(req.sampling, self.limits,
+                                                len(req.prompt_token_ids))
+            return await self._prefill(req, sampling)
+        except Exception as e:
+            await abort_with(context, e)
+            raise  # not reached: abort raises
+
+    async def _prefill(self, req: wpb.PrefillRequest, sampling: Sampling
+                       ) -> wpb.PrefillResponse:
+        t = req.target
+        kv_params = send_params(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
+                                t.fingerprint_digest, req.fault)
+        params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params})
+        prompt = list(req.prompt_token_ids)
+        start_wall = time.time()
+        last = None
+        async for out in self.worker.engine.generate(prompt, params, req.request_id):
+            last = out
+        done_wall = time.time()
+        if last is None or not last.outputs[0].token_ids:
+            raise Aborted("prefill was aborted")
+        delta = delta_of_output(last)
+        return wpb.PrefillResponse(
+            first_token_id=delta.token_ids[0], first_token_text=delta.text,
+            # "length" here only means max_tokens=1 was reached; "stop" ends the answer.
+            finished=delta.finish_reason == "stop",
+            finish_reason=wire.finish_reason_pb(delta.finish_reason),
+            stop_reason="" if delta.stop_reason is None else str(delta.stop_reason),
+            queue_s=delta.timings.queue_s, prefill_s=delta.timings.prefill_s,
+            cached_tokens=delta.num_cached_tokens,
+            handle=wpb.TransferHandle(
+                transfer_id=req.transfer_id, prefill_worker_id=self.worker.identity.worker_id,
+                prefill_epoch=self.worker.identity.epoch, num_tokens=len(prompt),
+                decode_epoch=t.epoch, prefill_start_wall=start_wall,
+                prefill_done_wall=done_wall,
+            ),
+            logprobs=wire.logprobs_pb(delta.logprobs),
+        )
+
+    async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,
+                            context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
+        return self.worker.info()
+
+
+def prefill_service(worker: Worker) -> Service:
+    servicer = PrefillServicer(worker)
+    return Service(SERVICE, lambda server: wpb_grpc.add_PrefillServiceServicer_to_server(
+        servicer, server))

@@ -1,0 +1,74 @@
+"""`pdserve prefill` / `pdserve decode`: start the engine, serve the role's gRPC service,
+register in the registry and heartbeat, and leave rotation at once when the engine dies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+from collections.abc import Callable
+
+from services.api.server import Bound, ServerConfig, Service, serve
+from services.engine.config import EngineConfig
+from services.errors import EngineDead
+from services.registry.heartbeat import heartbeat_forever
+from services.registry.registry import Registry
+from services.rpc import local_host
+from services.worker.config import Role, WorkerConfig
+from services.worker.decode import decode_service
+from services.worker.prefill import prefill_service
+from services.worker.worker import Worker
+
+log = logging.getLogger(__name__)
+
+ENGINE_PROBE_S = 0.5  # how often the engine's liveness is checked
+
+
+async def _watch_engine(worker: Worker, died: asyncio.Event, stop: asyncio.Event) -> None:
+    while not worker.engine.dead:
+        await asyncio.sleep(ENGINE_PROBE_S)
+    log.error("the engine of %s died: leaving rotation and exiting",
+              worker.identity.worker_id)
+    died.set()
+    stop.set()
+
+
+async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerConfig,
+                     config: WorkerConfig, on_ready: Callable[[int], None] | None = None
+                     ) -> None:
+    """Serve until SIGTERM/SIGINT. Raises `EngineDead` when the engine died, after the
+    worker turned NOT_SERVING and removed its record, so that its supervisor (Ray, a
+    Kubernetes restart policy) starts a new one."""
+    os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    worker = Worker.start(role, engine_cfg, config)
+    service: Service = prefill_service(worker) if role == "prefill" else decode_service(worker)
+    banner = (f"pdserve {role} worker {worker.identity.worker_id} (epoch "
+              f"{worker.identity.epoch}, layout {worker.fingerprint.digest()})")
+    registry = Registry.from_url(config.redis_url, ttl_s=config.worker_ttl_s) if (
+        config.redis_url) else None
+    stop, died = asyncio.Event(), asyncio.Event()
+    tasks: list[asyncio.Task[None]] = [asyncio.create_task(_watch_engine(worker, died, stop))]
+
+    def register(bound: Bound) -> None:
+        if on_ready is not None:
+            on_ready(bound.port)
+        if registry is None:
+            return
+        address = f"{config.advertise_host or local_host(server_cfg.host)}:{bound.port}"
+        tasks.append(asyncio.create_task(heartbeat_forever(
+            registry, lambda: worker.record(address, bound.metrics_port), config.heartbeat_s)))
+
+    try:
+        await serve(server_cfg, [service], banner, on_ready=register, stop=stop)
+    finally:
+        for task in tasks:
+            task.cancel()
+        if registry is not None:
+            with contextlib.suppress(Exception):
+                await registry.deregister(worker.identity.worker_id)
+            await registry.close()
+        worker.engine.shutdown()
+    if died.is_set():
+        raise EngineDead(f"the engine of {worker.identity.worker_id} died")

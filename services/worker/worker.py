@@ -1,0 +1,123 @@
+"""What prefill and decode workers share: identity (id and restart epoch), the KV
+connector configuration of their engine, the started engine and how the registry and
+the router see it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pdserve.v1 import worker_pb2 as wpb
+from services.engine.config import EngineConfig
+from services.engine.engine import Engine
+from services.kv.fingerprint import LayoutFingerprint
+from services.kv.layout import fingerprint_of
+from services.registry.heartbeat import vllm_load
+from services.registry.records import WorkerRecord
+from services.rpc import local_host
+from services.worker.config import Role, WorkerConfig
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerIdentity:
+    worker_id: str
+    role: Role
+    # A new epoch on every start: transfer handles minted before a restart name the old
+    # epoch and are refused instead of being matched against state that is gone.
+    epoch: int
+
+    @classmethod
+    def new(cls, role: Role, worker_id: str = "") -> WorkerIdentity:
+        name = worker_id or f"{role}-{socket.gethostname()}-{uuid.uuid4().hex[:6]}"
+        return cls(name, role, time.time_ns())
+
+
+def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig,
+                       port_file: str = "") -> Any:
+    from vllm.config import KVTransferConfig
+
+    extra: dict[str, Any] = {
+        "worker_id": identity.worker_id, "epoch": identity.epoch, "port_file": port_file,
+        "kv_host": config.kv_host, "kv_port": config.kv_port,
+        "kv_transport": config.kv_transport,
+        "lease_s": config.kv_lease_s, "load_timeout_s": config.kv_load_timeout_s,
+        "allow_faults": config.allow_fault_injection,
+        "checksum": config.kv_checksum, "shm": config.kv_shm,
+        "staging_max_bytes": int(config.kv_staging_gib * (1 << 30)),
+        "header_timeout_s": config.kv_header_timeout_s, "max_streams": config.kv_max_streams,
+    }
+    return KVTransferConfig(
+        kv_connector="PdserveConnector",
+        kv_connector_module_path="services.kv.connector",
+        kv_role="kv_producer" if identity.role == "prefill" else "kv_consumer",
+        kv_load_failure_policy=config.kv_load_failure_policy,
+        kv_connector_extra_config=extra,
+    )
+
+
+@dataclass
+class Worker:
+    """A started engine with its identity and KV layout."""
+
+    identity: WorkerIdentity
+    config: WorkerConfig
+    engine: Engine
+    fingerprint: LayoutFingerprint
+    kv_address: str
+
+    @classmethod
+    def start(cls, role: Role, engine_cfg: EngineConfig, config: WorkerConfig) -> Worker:
+        identity = WorkerIdentity.new(role, config.worker_id)
+        address = ""
+        with tempfile.TemporaryDirectory(prefix="pdserve-kv-") as tmp:
+            # decode: the KV receiver binds its port inside the engine and writes it here
+            port_file = str(Path(tmp) / "port") if role == "decode" else ""
+            engine = Engine(engine_cfg, kv_transfer_config(identity, config, port_file))
+            engine.start()
+            if role == "decode":
+                host = config.kv_advertise_host or local_host(config.kv_host)
+                address = f"{host}:{Path(port_file).read_text().strip()}"
+        return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address)
+
+    def record(self, address: str, metrics_port: int = 0) -> WorkerRecord:
+        """This worker as the registry shows it, with its current load."""
+        facts = self.engine.facts
+        llm = self.engine.llm
+        return WorkerRecord(
+            worker_id=self.identity.worker_id, role=self.identity.role, address=address,
+            host=socket.gethostname(), epoch=self.identity.epoch,
+            fingerprint=self.fingerprint.digest(), kv_address=self.kv_address,
+            kv_transport=self.config.kv_transport if self.identity.role == "decode" else "",
+            metrics_port=metrics_port,
+            capacity=self.engine.config.max_num_seqs, model=facts.name,
+            max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
+            load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
+            pid=os.getpid(),
+        )
+
+    def info(self) -> wpb.WorkerInfo:
+        facts = self.engine.facts
+        role = wpb.WORKER_ROLE_PREFILL if self.identity.role == "prefill" else (
+            wpb.WORKER_ROLE_DECODE)
+        return wpb.WorkerInfo(
+            worker_id=self.identity.worker_id, role=role, epoch=self.identity.epoch,
+            fingerprint_digest=self.fingerprint.digest(),
+            fingerprint_json=json.dumps(self.fingerprint.to_dict()),
+            kv_address=self.kv_address, kv_transport=self.config.kv_transport,
+            model=facts.name, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
+            kv_load_failure_policy=self.config.kv_load_failure_policy,
+            host=socket.gethostname(), capacity=self.engine.config.max_num_seqs,
+            dtype=facts.dtype,
+        )
+
+
