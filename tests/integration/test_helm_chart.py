@@ -35,11 +35,12 @@ FULLNAME = f"{RELEASE}-pdserve"
 # are GA in 1.27) and the version Helm's offline rendering assumes (v1.36).
 KUBE_VERSIONS = ("1.27.0", "1.36.0")
 ROLES = ("router", "prefill", "decode")
-CRD_KINDS = {"ServiceMonitor", "ScaledObject", "RayCluster"}
+CRD_KINDS = {"ServiceMonitor", "ScaledObject", "RayCluster", "Certificate", "Issuer"}
 # Why the custom resources are not validated against their CRDs' own schemas.
 CRD_SKIP_REASON = (
-    "the CRD schemas of ServiceMonitor (prometheus-operator), ScaledObject (KEDA) and "
-    "RayCluster (KubeRay) are not installable offline from the registries this project "
+    "the CRD schemas of ServiceMonitor (prometheus-operator), ScaledObject (KEDA), "
+    "RayCluster (KubeRay) and Certificate/Issuer (cert-manager) are not installable "
+    "offline from the registries this project "
     "uses: no PyPI package for Python 3.11 ships them (cloudcoil-models-keda and "
     "-prometheus-operator need Python >= 3.14; nothing ships KubeRay's), and the npm "
     "kubernetes-models packages carry JavaScript validators, not schemas. What can be "
@@ -530,10 +531,13 @@ def test_probes_ask_each_role_its_own_grpc_service_on_its_port(scenario: str) ->
         data = cms[f"{FULLNAME}-{role}"]
         assert ports["grpc"] == int(data["PDSERVE_PORT"])
         assert ports["metrics"] == int(data["PDSERVE_METRICS_PORT"])
+        # The kubelet's gRPC probes speak neither TLS nor API keys: they ask the
+        # plaintext health-only port.
+        assert ports["health"] == int(data["PDSERVE_HEALTH_PORT"]) != ports["grpc"]
         for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
             probe = container[kind]
             assert set(probe) >= {"grpc", "periodSeconds", "failureThreshold"}, kind
-            assert probe["grpc"]["port"] == ports["grpc"], (role, kind)
+            assert probe["grpc"]["port"] == ports["health"], (role, kind)
         assert container["startupProbe"]["grpc"]["service"] == services[role]
         assert container["readinessProbe"]["grpc"]["service"] == services[role]
         assert container["livenessProbe"]["grpc"]["service"] == ""  # overall health
@@ -724,7 +728,7 @@ def test_network_policy_opens_only_the_intended_paths(scenario: str) -> None:
     # The router's public ports.
     if scenario == "default":
         assert can(STRANGER, router, "grpc") and can(ELSEWHERE, router, "http")
-    else:  # routerFrom: the ingress-nginx namespace only
+    else:  # networkPolicy.router: the ingress-nginx namespace only
         assert not can(STRANGER, router, "grpc") and not can(ELSEWHERE, router, "http")
         assert can({**ELSEWHERE, "namespace": "ingress-nginx"}, router, "grpc")
     # Worker APIs: from the router only (with torch.distributed, the other pool reaches
@@ -748,8 +752,12 @@ def test_network_policy_opens_only_the_intended_paths(scenario: str) -> None:
         assert can(client, redis, "redis")
     for other in (STRANGER, ELSEWHERE, {**router, "namespace": "other"}):
         assert not can(other, redis, "redis")
-    # Metrics: from anywhere unless metricsFrom says otherwise.
-    assert can(ELSEWHERE, prefill, "metrics") and can(STRANGER, router, "metrics")
+    # Metrics (unauthenticated): from this namespace only unless networkPolicy.metrics
+    # says otherwise; health (status only, for the kubelet): from anywhere.
+    for pod in (router, prefill, decode):
+        assert can(STRANGER, pod, "metrics") and not can(ELSEWHERE, pod, "metrics")
+        assert can(ELSEWHERE, pod, "health")
+        assert not can(ELSEWHERE, pod, 6379)  # nothing else
 
 
 @needs_helm

@@ -104,9 +104,12 @@ whole numbers without an exponent (Helm hands numbers over as float64, which wou
 {{- printf "%s-redis.%s.svc" (include "pdserve.fullname" .) .Release.Namespace -}}
 {{- end -}}
 
+{{/* The Secret holding Redis's password: given, generated (in-chart Redis), or none. */}}
 {{- define "pdserve.redisPasswordSecret" -}}
 {{- if .Values.redis.enabled -}}
-{{- .Values.redis.auth.existingSecret -}}
+{{- if .Values.redis.auth.enabled -}}
+{{- .Values.redis.auth.existingSecret | default (printf "%s-redis" (include "pdserve.fullname" .)) -}}
+{{- end -}}
 {{- else -}}
 {{- .Values.externalRedis.existingSecret -}}
 {{- end -}}
@@ -229,6 +232,7 @@ password from its Secret, expanded by the kubelet) and the extra variables.
 {{- $_ := set $seen $key $name -}}
 {{- end -}}
 {{- end -}}
+{{- include "pdserve.validateSecurity" . -}}
 {{- if .Values.kuberay.enabled -}}
 {{- if .Values.router.server -}}
 {{- fail "kuberay.enabled: router.server is not used (one `pdserve up` configures every service): put these settings in the shared server block" -}}
@@ -261,7 +265,9 @@ a checksum of its own role's data, so a change restarts only the pods it concern
   PDSERVE_PORT: {{ $v.router.ports.grpc | int | quote }}
   PDSERVE_HTTP_PORT: {{ $v.router.ports.http | int | quote }}
   PDSERVE_METRICS_PORT: {{ $v.router.ports.metrics | int | quote }}
+  PDSERVE_HEALTH_PORT: {{ $v.router.ports.health | int | quote }}
   PDSERVE_ROUTER_MODEL: {{ $v.model.path | quote }}
+  {{- include "pdserve.securityData" . }}
   {{- include "pdserve.settingsData" (include "pdserve.roleSettings" (dict "root" .root "role" "router" "block" "server") | fromYaml) }}
   {{- include "pdserve.settingsData" $v.router.settings }}
 {{- else if eq .role "launcher" }}
@@ -274,7 +280,10 @@ a checksum of its own role's data, so a change restarts only the pods it concern
   PDSERVE_PORT: {{ $v.router.ports.grpc | int | quote }}
   PDSERVE_HTTP_PORT: {{ $v.router.ports.http | int | quote }}
   PDSERVE_METRICS_PORT: {{ $v.router.ports.metrics | int | quote }}
+  PDSERVE_HEALTH_PORT: {{ $v.router.ports.health | int | quote }}
   PDSERVE_ROUTER_MODEL: {{ $v.model.path | quote }}
+  # credentials: the same paths in every Ray pod, each pod holding its own role's files
+  {{- include "pdserve.securityData" . }}
   {{- include "pdserve.settingsData" $v.router.settings }}
   # the workers
   PDSERVE_MODEL: {{ $v.model.path | quote }}
@@ -293,7 +302,9 @@ a checksum of its own role's data, so a change restarts only the pods it concern
   PDSERVE_HOST: "0.0.0.0"
   PDSERVE_PORT: {{ $cfg.ports.grpc | int | quote }}
   PDSERVE_METRICS_PORT: {{ $cfg.ports.metrics | int | quote }}
+  PDSERVE_HEALTH_PORT: {{ $cfg.ports.health | int | quote }}
   PDSERVE_MODEL: {{ $v.model.path | quote }}
+  {{- include "pdserve.securityData" . }}
   {{- if eq .role "decode" }}
   PDSERVE_KV_HOST: "0.0.0.0"
   PDSERVE_KV_PORT: {{ $cfg.ports.kv | int | quote }}
