@@ -328,6 +328,9 @@ def build_parser() -> argparse.ArgumentParser:
         pass
     else:
         add_bench(sub)
+    from services.plan.cli import add_parser as add_plan
+
+    add_plan(sub)
     return parser
 
 

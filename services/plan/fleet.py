@@ -177,15 +177,19 @@ class Fleet:
                 continue
             times = engine.token_times(job)
             shift = self._flights[job.rid].overhead_s
-            self.results[job.rid].token_times.extend(t + shift for t in times)
+            out = self.results[job.rid].token_times
+            if self._light:  # the first and the last token are all a TTFT/TPOT check needs
+                times = times[-1:] if out else [times[0], times[-1]][:len(times)]
+            out.extend(t + shift for t in times)
         self._kick(idx, now)
 
     def run(self, requests: list[SimRequest], horizon_s: float | None = None,
-            ) -> list[SimResult]:
+            light: bool = False) -> list[SimResult]:
         """Simulates every request to its end; those that end after ``horizon_s`` (the
         benchmark's duration plus its drain timeout) are marked failed, as the benchmark
-        cancels them. A request that can never fit an engine's KV cache fails at once."""
-        self.requests = requests
+        cancels them. A request that can never fit an engine's KV cache fails at once.
+        ``light`` keeps only each request's first and last token times (large fleets)."""
+        self.requests, self._light = requests, light
         self.results = [SimResult(r) for r in requests]
         self._flights: dict[int, _Flight] = {}
         self._pending: dict[int, Job] = {}

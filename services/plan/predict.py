@@ -117,6 +117,25 @@ def predict_all(configs: list[FleetConfig], profile: Profile, workload: Workload
     return out, time.perf_counter() - t0
 
 
+def slo_attainment(results: list[SimResult], warmup: list[bool], slos: SLOs) -> float:
+    """Share of the measured requests within the TTFT and TPOT bounds, from first and
+    last token times only (what ``Fleet.run(light=True)`` keeps)."""
+    measured = [r for r, w in zip(results, warmup, strict=True) if not w]
+    good = 0
+    for res in measured:
+        if not res.ok or not res.token_times:
+            continue
+        ttft = res.token_times[0] - res.request.send_s
+        n = res.request.out
+        tpot = (res.token_times[-1] - res.token_times[0]) / (n - 1) if n > 1 else None
+        if slos.ttft_s is not None and ttft > slos.ttft_s:
+            continue
+        if slos.tpot_s is not None and tpot is not None and tpot > slos.tpot_s:
+            continue
+        good += 1
+    return good / len(measured) if measured else 0.0
+
+
 def rank(predictions: list[Prediction]) -> list[tuple[str, float, list[float]]]:
     """Configurations by total goodput over the rates, best first: (name, total, per
     rate). Ties go to the configuration listed first (the simpler one)."""

@@ -55,6 +55,7 @@ class Grid:
     decode_tokens: int = 24
     mixed: tuple[int, int, int] = (8, 64, 1024)  # decoders, their prompt, the long prompt
     repeats: int = 2
+    chunked: bool = True  # also measure an engine at ``chunk_budget``
     one_core: bool = True
     transports: tuple[str, ...] = ("grpc", "torch")
     transfer_blocks: int = 2
@@ -62,13 +63,13 @@ class Grid:
 
     def measurements(self) -> int:
         per = len(self.prefill_lengths) * self.repeats + len(self.decode_points)
-        chunked = len(self.chunked_lengths) * self.repeats + 1
+        chunked = (len(self.chunked_lengths) * self.repeats + 1) if self.chunked else 0
         return per * (2 if self.one_core else 1) + chunked + len(self.transports)
 
 
 QUICK = Grid(prefill_lengths=(16, 128), chunked_lengths=(200,), chunk_budget=64,
              decode_points=((1, 16), (4, 16)), decode_tokens=8, mixed=(2, 16, 200),
-             repeats=1, one_core=False, transports=("grpc",), transfer_blocks=1,
+             repeats=1, chunked=False, one_core=False, transports=("grpc",), transfer_blocks=1,
              transfer_rounds=1)
 
 
@@ -249,9 +250,10 @@ def run_profile(base: EngineConfig, grid: Grid, progress: bool = True) -> Profil
     cores = available_cores()
     base = replace_engine(base, enable_prefix_caching=False)
     all_cores = ",".join(map(str, cores))
-    plan = [("all", len(cores), replace_engine(base, cpu_cores=all_cores), False),
-            ("chunked", len(cores), replace_engine(
-                base, cpu_cores=all_cores, max_num_batched_tokens=grid.chunk_budget), True)]
+    plan = [("all", len(cores), replace_engine(base, cpu_cores=all_cores), False)]
+    if grid.chunked:
+        plan.append(("chunked", len(cores), replace_engine(
+            base, cpu_cores=all_cores, max_num_batched_tokens=grid.chunk_budget), True))
     if grid.one_core and len(cores) > 1 and cpu_only():
         plan.append(("one", 1, replace_engine(base, cpu_cores=str(cores[0])), False))
     bar = tqdm(total=grid.measurements() + len(plan), desc="profiling", unit="step",
