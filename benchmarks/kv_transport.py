@@ -32,8 +32,8 @@ except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.frames import byte_view
 from services.kv.transport import TransferSpec, TransportConfig, make_receiver, make_sender
+from services.kv.transport.frames import byte_view
 
 FP = LayoutFingerprint("smollm2-135m", "float32", 128, 30, 3, 64, "bench", "bench")
 

@@ -19,19 +19,20 @@ import grpc
 import pytest
 import torch
 
-from services.kv import frames
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.frames import FrameKind
 from services.kv.transport import (
     ReceiveState,
     TransferOutcome,
     TransferSpec,
     TransportConfig,
+    frames,
     make_receiver,
     make_sender,
-    torch_dist,
+    torch_pair,
 )
-from services.kv.transport.grpc_transport import PUSH, GrpcKVReceiver, channel_options
+from services.kv.transport.frames import FrameKind
+from services.kv.transport.grpc_channel import PAIR, PUSH, channel_options
+from services.kv.transport.grpc_receiver import GrpcKVReceiver
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -523,14 +524,14 @@ class RoguePair:
 
     def __init__(self, channel: grpc.Channel) -> None:
         self.control: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
-        self.call = channel.stream_stream(torch_dist.PAIR)(iter(self.control.get, None))
+        self.call = channel.stream_stream(PAIR)(iter(self.control.get, None))
         hello = {"sender": TX_ID.to_dict(), "pair_id": "rogue", "receiver_host": "127.0.0.1"}
         self.put(FrameKind.HELLO, {**hello, "device": "cpu"})
         ready = frames.decode_frame(next(self.call))
         assert isinstance(ready, frames.ControlFrame) and ready.kind is FrameKind.READY
         store = torch.distributed.TCPStore("127.0.0.1", ready.body["store_port"])
         prefixed = torch.distributed.PrefixStore(ready.body["prefix"], store)
-        self.pg = torch_dist.build_pair_group(prefixed, 0, "127.0.0.1", "cpu", 5.0)
+        self.pg = torch_pair.build_pair_group(prefixed, 0, "127.0.0.1", "cpu", 5.0)
         self.tag = 0
 
     def put(self, kind: FrameKind, body: dict[str, Any]) -> None:
@@ -538,7 +539,7 @@ class RoguePair:
 
     def layer(self, tid: str, layer: int, flat: torch.Tensor, announced: int) -> None:
         self.tag += 1
-        crc = torch_dist.payload_crc(flat)
+        crc = torch_pair.payload_crc(flat)
         body = {"transfer_id": tid, "layer": layer, "nbytes": announced, "crc": crc}
         self.put(FrameKind.LAYER, {**body, "tag": self.tag})
         self.pg.send([flat], 1, self.tag).wait()
@@ -604,6 +605,6 @@ def test_torch_sender_reuses_its_pair(receivers: dict[str, Any]) -> None:
             send_all(tx, rx.address, tid, kv_layers(3))
             assert wait_outcome(tx, tid).ok
             assert rx.take(tid) is not None
-        assert len(tx._pairs) == 1
+        assert tx.pair_count == 1
     finally:
         tx.close()

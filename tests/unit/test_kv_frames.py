@@ -9,10 +9,10 @@ import zlib
 import pytest
 import torch
 
-from services.kv import frames
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.frames import ControlFrame, DataFrame, FrameError, FrameKind
-from services.kv.transport.base import TransferSpec
+from services.kv.transport import frames
+from services.kv.transport.frames import ControlFrame, DataFrame, FrameError, FrameKind
+from services.kv.transport.spec import TransferSpec
 
 FP = LayoutFingerprint("m", "float32", 16, 4, 3, 128, "cpu:avx2:k-transposed", "0.1.0")
 SENDER = PeerIdentity("prefill-0", 3, FP)
@@ -139,7 +139,7 @@ def test_byte_view_shares_memory() -> None:
 def test_slab_pool_reuses_slabs_of_several_sizes() -> None:
     import torch
 
-    from services.kv.transport.staging import SlabPool
+    from services.kv.transport.slab_pool import SlabPool
 
     pool = SlabPool(torch.device("cpu"), max_bytes=1 << 30)
     small, large = pool.get(3 << 20), pool.get(40 << 20)

@@ -11,9 +11,8 @@
 from __future__ import annotations
 
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.transport.base import (
-    KVReceiver,
-    KVSender,
+from services.kv.transport.base import KVReceiver, KVSender
+from services.kv.transport.spec import (
     ReceivedKV,
     ReceiveState,
     TransferOutcome,
@@ -43,11 +42,11 @@ def make_sender(kind: str, identity: PeerIdentity, config: TransportConfig) -> K
     """A sender of the given kind ("grpc" or "torch")."""
     # Imports are local so that importing the interface never pulls in grpc or c10d.
     if kind == "grpc":
-        from services.kv.transport.grpc_transport import GrpcKVSender
+        from services.kv.transport.grpc_sender import GrpcKVSender
 
         return GrpcKVSender(identity, config)
     if kind == "torch":
-        from services.kv.transport.torch_dist import TorchDistSender
+        from services.kv.transport.torch_sender import TorchDistSender
 
         return TorchDistSender(identity, config)
     raise ValueError(f"unknown KV transport {kind!r}; expected one of {', '.join(KINDS)}")
@@ -58,11 +57,11 @@ def make_receiver(
 ) -> KVReceiver:
     """A receiver of the given kind serving on host:port (port 0 picks a free port)."""
     if kind == "grpc":
-        from services.kv.transport.grpc_transport import GrpcKVReceiver
+        from services.kv.transport.grpc_receiver import GrpcKVReceiver
 
         return GrpcKVReceiver(identity, config, host, port)
     if kind == "torch":
-        from services.kv.transport.torch_dist import TorchDistReceiver
+        from services.kv.transport.torch_receiver import TorchDistReceiver
 
         return TorchDistReceiver(identity, config, host, port)
     raise ValueError(f"unknown KV transport {kind!r}; expected one of {', '.join(KINDS)}")

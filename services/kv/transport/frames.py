@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 
 from services.kv.fingerprint import PeerIdentity
-from services.kv.transport.base import TransferSpec
+from services.kv.transport.spec import TransferSpec
 
 VERSION = 1
 MAX_CONTROL_BYTES = 64 << 10  # a header is ~1 KB; anything far larger is not ours

@@ -1,0 +1,101 @@
+"""The records both ends of a KV transport share: what a transfer carries, how it ended,
+what a receiver hands over, and the tunables."""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True, slots=True)
+class TransferSpec:
+    """What one transfer carries; the receiver checks every frame against it."""
+
+    transfer_id: str  # caller's key, unique among live transfers at the receiver
+    num_layers: int
+    layer_shape: tuple[int, ...]  # shape of each layer tensor, e.g. (blocks, heads, bs, 2*hs)
+    dtype: torch.dtype
+    num_tokens: int  # tokens whose KV the blocks hold (informational for the receiver)
+    receiver_epoch: int  # epoch of the receiver the sender expects; a stale one is refused
+    receiver_fingerprint: str  # layout digest the sender expects the receiver to have
+
+    def __post_init__(self) -> None:
+        if not self.transfer_id or len(self.transfer_id) > 256:
+            raise ValueError("transfer_id must be 1..256 characters")
+        if self.num_layers <= 0:
+            raise ValueError(f"num_layers must be positive, got {self.num_layers}")
+        if not self.layer_shape or any(d <= 0 for d in self.layer_shape):
+            raise ValueError(f"layer_shape must have positive dims, got {self.layer_shape}")
+        if self.num_tokens < 0:
+            raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
+
+    @property
+    def layer_nbytes(self) -> int:
+        return math.prod(self.layer_shape) * self.dtype.itemsize
+
+    @property
+    def total_nbytes(self) -> int:
+        return self.layer_nbytes * self.num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class TransferOutcome:
+    """Sender-side result of one transfer, reported once by `KVSender.poll_finished()`."""
+
+    transfer_id: str
+    ok: bool  # True only if the receiver acknowledged all bytes
+    error: str | None  # why it failed (refusal reason, peer fault, cancel, ...)
+    nbytes: int  # payload bytes the receiver acknowledged (0 unless ok)
+    first_send_ts: float  # time.monotonic() when the first frame was sent
+    last_ack_ts: float  # time.monotonic() when the outcome was known
+
+
+@dataclass(slots=True)
+class ReceivedKV:
+    """A complete transfer handed over by `KVReceiver.take()`; the caller owns the tensors."""
+
+    spec: TransferSpec
+    layers: list[torch.Tensor]  # one tensor per layer, shape spec.layer_shape, spec.dtype
+    nbytes: int
+    first_byte_ts: float  # time.monotonic() when the header arrived
+    last_byte_ts: float  # time.monotonic() when the last payload byte was verified
+    first_byte_wall: float = 0.0  # the same two instants as time.time(), for cross-host logs
+    last_byte_wall: float = 0.0
+    sender_worker_id: str = ""
+    sender_epoch: int = 0
+    storage: torch.Tensor | None = None  # the staging slab `layers` view; see release()
+
+
+class ReceiveState(enum.Enum):
+    UNKNOWN = "unknown"  # never seen, taken, discarded, or expired
+    RECEIVING = "receiving"
+    COMPLETE = "complete"
+    FAILED = "failed"
+
+
+@dataclass(frozen=True, slots=True)
+class TransportConfig:
+    """Tunables shared by both ends; the defaults suit one host or a LAN."""
+
+    chunk_bytes: int = 1 << 20  # payload bytes per gRPC data frame
+    max_message_bytes: int = 8 << 20  # gRPC max send/receive message, set on both ends
+    lease_s: float = 30.0  # complete-but-untaken transfers are dropped after this
+    stall_timeout_s: float = 10.0  # a transfer with no progress for this long -> FAILED
+    send_queue_depth: int = 64  # layers queued at the sender before send_layer blocks
+    max_streams: int = 32  # concurrent inbound streams (transfers + torch pairs) served
+    max_staged_bytes: int = 8 << 30  # receiver refuses new transfers beyond this staging
+    device: str = "cpu"  # where the receiver stages layers ("cuda:N" for the NCCL path)
+    pool_bytes: int = 1 << 30  # staging memory kept for reuse: fresh pages cost page faults
+
+    def __post_init__(self) -> None:
+        if self.chunk_bytes <= 0:
+            raise ValueError("chunk_bytes must be positive")
+        if self.max_message_bytes < self.chunk_bytes + 4096:
+            raise ValueError("max_message_bytes must exceed chunk_bytes plus frame headers")
+        if self.lease_s <= 0 or self.stall_timeout_s <= 0:
+            raise ValueError("lease_s and stall_timeout_s must be positive")
+        if self.send_queue_depth <= 0 or self.max_streams <= 0:
+            raise ValueError("send_queue_depth and max_streams must be positive")
