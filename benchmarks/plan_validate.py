@@ -161,7 +161,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     profile_path = Path(args.profile or out / "profile.json")
     if not args.profile:
-        subprocess.run([sys.executable, "-m", "services.plan.cli", "plan", "profile",
+        subprocess.run([sys.executable, "-m", "services.cli", "plan", "profile",
                         "--kv-cache-gib", "2", "--out", str(profile_path)], check=True, cwd=ROOT)
     headline = [Path(h) for h in args.headline]
     if not headline:

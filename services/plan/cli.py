@@ -1,9 +1,6 @@
 """``pdserve plan``: ``profile`` measures the engine's cost model on this machine,
-``predict`` simulates every configuration on a workload and recommends one.
-
-Wired into the main CLI with ``add_parser(subparsers)``; also runnable on its own as
-``python -m services.plan.cli plan predict ...``.
-"""
+``predict`` simulates every configuration on a workload and recommends one
+(``add_parser`` registers both with the main CLI)."""
 
 from __future__ import annotations
 
@@ -209,14 +206,3 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pred.add_argument("--plot", default="", help="goodput vs rate PNG (default: none)")
     pred.add_argument("--no-progress", action="store_true", help="no progress bar")
     pred.set_defaults(func=cmd_predict, prompt_as="token-ids")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="pdserve")
-    add_parser(parser.add_subparsers(dest="command", required=True))
-    args = parser.parse_args(argv)
-    return int(args.func(args))
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -19,6 +19,14 @@ def _plt() -> Any:
     return plt
 
 
+def _save(plt: Any, fig: Any, path: Path) -> Path:
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def goodput_vs_rate(predictions: Sequence[Prediction], path: Path, title: str) -> Path:
     """Predicted goodput against the request rate, one line per configuration."""
     plt = _plt()
@@ -34,11 +42,7 @@ def goodput_vs_rate(predictions: Sequence[Prediction], path: Path, title: str) -
     ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def parity(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
@@ -66,11 +70,7 @@ def parity(rows: Sequence[dict[str, Any]], path: Path, title: str) -> Path:
         ax.set_ylabel("predicted")
     axes[0].legend(fontsize=7)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)
 
 
 def crossover(series: dict[str, dict[str, list[tuple[int, float]]]], path: Path,
@@ -90,8 +90,4 @@ def crossover(series: dict[str, dict[str, list[tuple[int, float]]]], path: Path,
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(title, fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, path)

@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def plan(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.plan.cli", "plan", *args],
+    return subprocess.run([sys.executable, "-m", "services.cli", "plan", *args],
                           cwd=ROOT, capture_output=True, text=True, timeout=200)
 
 
