@@ -154,6 +154,7 @@ async def _generate(args: argparse.Namespace) -> int:
     import grpc
 
     from services.api.client import PdserveClient, build_request, collect
+    from services.security.client_flags import client_security
 
     if args.chat:
         messages = [("system", args.system)] if args.system else []
@@ -162,7 +163,7 @@ async def _generate(args: argparse.Namespace) -> int:
         )
     else:
         request = build_request(text=args.prompt, model=args.model, **_sampling(args))
-    async with PdserveClient(args.target) as client:
+    async with PdserveClient(args.target, **client_security(args)) as client:
         try:
             if args.json:
                 result = await collect(client.call(request, args.timeout))
@@ -192,9 +193,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     from google.protobuf.json_format import MessageToDict
 
     from services.api.client import PdserveClient
+    from services.security.client_flags import client_security
 
     async def run() -> int:
-        async with PdserveClient(args.target) as client:
+        async with PdserveClient(args.target, **client_security(args)) as client:
             info = await client.model_info()
             print(json.dumps(MessageToDict(info, preserving_proto_field_name=True), indent=2))
         return 0
@@ -210,7 +212,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 # -- parser -------------------------------------------------------------------------
 def _client_flags(p: argparse.ArgumentParser) -> None:
+    from services.security.client_flags import add_client_security_flags
+
     p.add_argument("--target", default="127.0.0.1:50051", help="server address (host:port)")
+    add_client_security_flags(p)
 
 
 def _sampling_flags(p: argparse.ArgumentParser) -> None:
@@ -321,6 +326,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--port", type=int, default=0, help="gRPC port (0 = a free one)")
     demo.add_argument("--max-tokens", type=int, default=128, help="most tokens to generate")
     demo.set_defaults(func=cmd_demo)
+
+    from services.security.certs import add_certs_parser
+
+    add_certs_parser(sub)
 
     try:
         from services.bench.cli import add_parser as add_bench

@@ -9,6 +9,9 @@ import socket
 
 import grpc
 
+from services.security.policy import internal_channel
+from services.security.tls import TLSFiles
+
 MAX_MESSAGE_BYTES = 64 << 20  # default largest gRPC message accepted or sent
 
 
@@ -28,9 +31,25 @@ def grpc_options(max_message_bytes: int = MAX_MESSAGE_BYTES) -> list[tuple[str, 
     ]
 
 
+# This process's internal mTLS identity (its CA, certificate and key): one process is one
+# role, so every channel it dials to a peer uses the same files. Set once at start.
+_internal_tls: TLSFiles | None = None
+
+
+def use_internal_tls(files: TLSFiles | None) -> None:
+    """Dial peers with mTLS from `files` from now on (None: plaintext)."""
+    global _internal_tls
+    _internal_tls = files
+
+
+def internal_tls_files() -> TLSFiles | None:
+    return _internal_tls
+
+
 def dial(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.Channel:
-    """An asyncio channel to a pdserve peer (a worker, a router)."""
-    return grpc.aio.insecure_channel(address, options=grpc_options(max_message_bytes))
+    """An asyncio channel to a pdserve peer (a worker, a router): mTLS checking the
+    peer's certificate for `pdserve.internal` when internal TLS is configured."""
+    return internal_channel(address, _internal_tls, grpc_options(max_message_bytes))
 
 
 def free_port(host: str = "127.0.0.1") -> int:

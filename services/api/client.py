@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from services.rpc import MAX_MESSAGE_BYTES, grpc_options
+from services.security.tls import TLSFiles, channel_credentials
 from services.wire import FINISH_NAMES
 
 
@@ -73,11 +74,24 @@ def build_request(
 
 
 class PdserveClient:
+    """A client of the public API. `api_key` is sent as `authorization: Bearer <key>` on
+    every call; `tls` makes the channel TLS (its `ca`: the server's CA, the system's roots
+    when unset; its `cert`/`key`: a client certificate for mTLS). `channel` replaces the
+    channel altogether (e.g. `services.rpc.dial` for a worker's internal port)."""
+
     def __init__(self, target: str = "127.0.0.1:50051",
-                 max_message_bytes: int = MAX_MESSAGE_BYTES) -> None:
+                 max_message_bytes: int = MAX_MESSAGE_BYTES, *, api_key: str = "",
+                 tls: TLSFiles | None = None, channel: grpc.aio.Channel | None = None) -> None:
         # pdserve's channel options: among them a short reconnect backoff, so a client
         # that starts before its server does not keep failing long after it is up.
-        self.channel = grpc.aio.insecure_channel(target, options=grpc_options(max_message_bytes))
+        options = grpc_options(max_message_bytes)
+        if channel is not None:
+            self.channel = channel
+        elif tls is not None:
+            self.channel = grpc.aio.secure_channel(target, channel_credentials(tls), options)
+        else:
+            self.channel = grpc.aio.insecure_channel(target, options=options)
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self.stub = pb_grpc.GenerationServiceStub(self.channel)
 
     async def __aenter__(self) -> PdserveClient:
@@ -93,7 +107,7 @@ class PdserveClient:
         self, request: pb.GenerateRequest, timeout: float | None = None
     ) -> grpc.aio.UnaryStreamCall:
         """The raw streaming call (cancel it with `.cancel()`)."""
-        return self.stub.Generate(request, timeout=timeout)
+        return self.stub.Generate(request, timeout=timeout, metadata=self.metadata)
 
     async def stream(
         self, *args: Any, timeout: float | None = None, **kwargs: Any
@@ -107,7 +121,8 @@ class PdserveClient:
         return await collect(self.call(build_request(*args, **kwargs), timeout))
 
     async def model_info(self, timeout: float | None = 10.0) -> pb.GetModelInfoResponse:
-        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout)
+        return await self.stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=timeout,
+                                            metadata=self.metadata)
 
     async def health(self, service: str = "", timeout: float | None = 5.0) -> str:
         stub = health_pb2_grpc.HealthStub(self.channel)

@@ -48,6 +48,9 @@ from services.errors import (
     http_status,
 )
 from services.messages import Delta, GenerationRequest
+from services.security.apikeys import client_id
+from services.security.http_auth import ApiKeyMiddleware
+from services.security.policy import PublicAuth
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -197,7 +200,7 @@ class OpenAIFront:
             public = (chat_request(body, request_id) if isinstance(body, ChatCompletionRequest)
                       else completion_request(body, request_id))
             req = prepare(public, self.limits, self.backend.tokenizer, request_timeout(request),
-                          request.headers.get("x-client-id", ""))
+                          client_id(request.headers.get("x-client-id", "")))
         except PdserveError as e:
             return error_response(e, chat)
         answer = Answer(chat=chat, request_id=request_id, model=self.limits.served_model,
@@ -287,10 +290,18 @@ class _EmbeddedServer(uvicorn.Server):
 class HttpServer:
     """uvicorn serving `create_app(backend)` inside the running event loop."""
 
-    def __init__(self, backend: Backend, host: str, port: int, grace_s: float) -> None:
+    def __init__(self, backend: Backend, host: str, port: int, grace_s: float,
+                 auth: PublicAuth | None = None) -> None:
         self.host, self.port = host, port
-        config = uvicorn.Config(create_app(backend), host=host, port=port, log_level="warning",
-                                lifespan="off", timeout_graceful_shutdown=math.ceil(grace_s))
+        app: Any = create_app(backend)
+        if auth is not None and auth.keys is not None:
+            # 401 in OpenAI's error shape; /health stays open.
+            app = ApiKeyMiddleware(app, auth.keys,
+                                   error_body=lambda e: openai_error(e, chat=False))
+        tls = auth.uvicorn_options() if auth is not None else {}
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                lifespan="off", timeout_graceful_shutdown=math.ceil(grace_s),
+                                **tls)  # type: ignore[arg-type]
         self.server = _EmbeddedServer(config)
         self._task: asyncio.Task[None] | None = None
 

@@ -18,6 +18,7 @@ from services import wire
 from services.api.backend import Backend
 from services.api.prepare import limits_of, prepare
 from services.errors import RETRY_AFTER_KEY, InvalidRequest, grpc_status, retry_after_ms
+from services.security.apikeys import client_id
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +56,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         try:
             metadata = dict(context.invocation_metadata() or ())
             req = prepare(request, self.limits, self.backend.tokenizer,
-                          context.time_remaining(), str(metadata.get("x-client-id", "")))
+                          context.time_remaining(),
+                          client_id(str(metadata.get("x-client-id", ""))))
         except Exception as e:
             await abort_with(context, e)
         completion_tokens = 0

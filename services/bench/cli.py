@@ -33,6 +33,7 @@ from services.bench.workload import (
     build_workload,
     load_tokenizer,
 )
+from services.security.client_flags import add_client_security_flags, client_security
 
 DEFAULT_REQUESTS = 200
 SLO_NAMES = ("ttft", "tpot", "itl", "e2e")
@@ -67,6 +68,7 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", default="",
                    help="model name to send (default: pdserve's served model, or the first "
                    "model the OpenAI server lists)")
+    add_client_security_flags(g)  # --api-key (both targets), --tls* (pdserve)
     g.add_argument("--allow-host", action="append", default=[], metavar="HOST",
                    help="a non-loopback host that may receive load (repeatable; default: "
                    "none: loopback only)")
@@ -247,10 +249,10 @@ def build_target(args: argparse.Namespace) -> Target:
     if args.target == "pdserve":
         return GrpcTarget(args.address, model=args.model, allowed_hosts=args.allow_host,
                           timeout_s=args.request_timeout, prompt_mode=args.prompt_as,
-                          num_channels=args.grpc_channels)
+                          num_channels=args.grpc_channels, **client_security(args))
     return OpenAITarget(args.base_url, model=args.model, allowed_hosts=args.allow_host,
                         timeout_s=args.request_timeout, prompt_mode=args.prompt_as,
-                        extra_body=args.extra_body)
+                        extra_body=args.extra_body, api_key=client_security(args)["api_key"])
 
 
 async def _execute(args: argparse.Namespace, rates: list[float]) -> int:

@@ -25,6 +25,7 @@ import grpc
 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
 from services.bench.records import RequestSpec, ServerTimings
+from services.security.tls import TLSFiles, channel_credentials
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # gRPC's default receive limit is only 4 MiB
 PROMPT_MODES = ("token-ids", "text")
@@ -90,9 +91,11 @@ class GrpcTarget:
 
     def __init__(self, address: str, *, model: str = "", allowed_hosts: Sequence[str] = (),
                  timeout_s: float | None = None, prompt_mode: str = "token-ids",
-                 num_channels: int = 1) -> None:
+                 num_channels: int = 1, api_key: str = "", tls: TLSFiles | None = None) -> None:
         check_host(urlsplit("//" + address).hostname, allowed_hosts)
         self.address, self.model, self.timeout_s = address, model, timeout_s
+        self.metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self.tls = tls
         self.prompt_mode = prompt_mode
         self.num_channels = num_channels
         self._channels: list[grpc.aio.Channel] = []
@@ -111,7 +114,9 @@ class GrpcTarget:
             ("grpc.use_local_subchannel_pool", 1),
         ]
         for _ in range(self.num_channels):
-            channel = grpc.aio.insecure_channel(self.address, options=options)
+            channel = (grpc.aio.secure_channel(self.address, channel_credentials(self.tls),
+                                               options) if self.tls is not None
+                       else grpc.aio.insecure_channel(self.address, options=options))
             self._channels.append(channel)
             self._stubs.append(generate_pb2_grpc.GenerationServiceStub(channel))
 
@@ -135,7 +140,8 @@ class GrpcTarget:
     async def stream(self, spec: RequestSpec, request_id: str) -> AsyncIterator[Event]:
         stub = self._stubs[self._next % len(self._stubs)]
         self._next += 1
-        call = stub.Generate(self._request(spec, request_id), timeout=self.timeout_s)
+        call = stub.Generate(self._request(spec, request_id), timeout=self.timeout_s,
+                             metadata=self.metadata)
         final_seen = False
         try:
             # Read to the end of the stream even after the final message, so the call
@@ -179,8 +185,9 @@ class OpenAITarget:
 
     def __init__(self, base_url: str, *, model: str = "", allowed_hosts: Sequence[str] = (),
                  timeout_s: float | None = None, prompt_mode: str = "token-ids",
-                 extra_body: dict[str, Any] | None = None) -> None:
+                 extra_body: dict[str, Any] | None = None, api_key: str = "") -> None:
         check_host(urlsplit(base_url).hostname, allowed_hosts)
+        self.auth = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self.base_url = base_url.rstrip("/").removesuffix("/v1")
         self.model, self.timeout_s, self.prompt_mode = model, timeout_s, prompt_mode
         self.extra_body = extra_body or {}
@@ -191,6 +198,7 @@ class OpenAITarget:
             connector=aiohttp.TCPConnector(limit=0),  # the runner caps concurrency itself
             timeout=aiohttp.ClientTimeout(total=self.timeout_s),
             trust_env=False,  # never route load through a proxy from the environment
+            headers=self.auth,
         )
         if not self.model:  # as `vllm bench serve` does: the first model the server lists
             async with self._session.get(f"{self.base_url}/v1/models") as resp:

@@ -28,7 +28,8 @@ from services.router.config import RouterConfig
 from services.router.orchestrator import check_pair
 from services.router.router import RouterBackend
 from services.router.view import FixedView, record_of
-from services.rpc import dial, free_port
+from services.rpc import dial, free_port, use_internal_tls
+from services.security.policy import internal_tls
 from services.settings import add_arguments, env_name, from_arguments
 from services.worker.config import WorkerConfig
 
@@ -62,6 +63,12 @@ def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:
     add_arguments(parser, RouterConfig, only=PAIR_ROUTER_FIELDS)
     add_arguments(parser, LauncherConfig, only=PAIR_PLACEMENT_FIELDS)
     add_arguments(parser, LocalPairConfig)
+
+
+def internal_tls_env(server_cfg: ServerConfig) -> dict[str, str]:
+    """The internal TLS settings, for the local workers (they serve with the same files)."""
+    names = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_tls_key_file")
+    return {env_name(ServerConfig, n): getattr(server_cfg, n) for n in names}
 
 
 def settings_env(settings: BaseSettings) -> dict[str, str]:
@@ -123,7 +130,7 @@ async def wait_healthy(worker: LocalWorker, timeout: float = 600.0) -> None:
     from services.api.client import PdserveClient
 
     deadline = time.monotonic() + timeout
-    async with PdserveClient(worker.target) as client:
+    async with PdserveClient(worker.target, channel=dial(worker.target)) as client:
         while True:
             if worker.proc.poll() is not None:
                 await asyncio.sleep(0.2)  # let the last lines through
@@ -160,7 +167,9 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
     ports = from_arguments(LocalPairConfig, args)
     model_path = resolve_model(engine_cfg.model, engine_cfg.resolved_dtype())
     prefill_cores, decode_cores = split_cores(placement.prefill_cores, placement.decode_cores)
-    base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg)}
+    base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg),
+                            **internal_tls_env(server_cfg)}
+    use_internal_tls(internal_tls(server_cfg))  # the pair is dialled with it
     workers = [
         LocalWorker(role, getattr(ports, f"{role}_port") or free_port(),
                     getattr(ports, f"{role}_metrics_port"),

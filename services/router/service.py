@@ -10,6 +10,8 @@ from services.engine.model import resolve_model
 from services.registry.registry import Registry
 from services.router.config import RouterConfig
 from services.router.router import RouterBackend
+from services.rpc import use_internal_tls
+from services.security.policy import internal_tls
 
 log = logging.getLogger(__name__)
 
@@ -23,6 +25,7 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     if not config.redis_url:
         raise ValueError("the router needs --redis-url (or PDSERVE_REDIS_URL): workers "
                          "register there")
+    use_internal_tls(internal_tls(server_cfg))  # before the first worker is dialled
     model_path = resolve_model(config.router_model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     registry = Registry.from_url(config.redis_url)

@@ -15,7 +15,8 @@ from services.engine.config import EngineConfig
 from services.errors import EngineDead
 from services.registry.heartbeat import heartbeat_forever
 from services.registry.registry import Registry
-from services.rpc import local_host
+from services.rpc import local_host, use_internal_tls
+from services.security.policy import internal_tls
 from services.worker.config import Role, WorkerConfig
 from services.worker.decode import decode_service
 from services.worker.prefill import prefill_service
@@ -42,6 +43,8 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
     worker turned NOT_SERVING and removed its record, so that its supervisor (Ray, a
     Kubernetes restart policy) starts a new one."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # Before the engine starts: its KV connector takes the internal TLS files from here.
+    use_internal_tls(internal_tls(server_cfg))
     worker = Worker.start(role, engine_cfg, config)
     service: Service = prefill_service(worker) if role == "prefill" else decode_service(worker)
     banner = (f"pdserve {role} worker {worker.identity.worker_id} (epoch "
@@ -61,7 +64,7 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
             registry, lambda: worker.record(address, bound.metrics_port), config.heartbeat_s)))
 
     try:
-        await serve(server_cfg, [service], banner, on_ready=register, stop=stop)
+        await serve(server_cfg, [service], banner, on_ready=register, stop=stop, internal=True)
     finally:
         for task in tasks:
             task.cancel()

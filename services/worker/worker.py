@@ -22,7 +22,7 @@ from services.kv.fingerprint import LayoutFingerprint
 from services.kv.layout import fingerprint_of
 from services.registry.heartbeat import vllm_load
 from services.registry.records import WorkerRecord
-from services.rpc import local_host
+from services.rpc import internal_tls_files, local_host
 from services.worker.config import Role, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -42,6 +42,16 @@ class WorkerIdentity:
         return cls(name, role, time.time_ns())
 
 
+def kv_tls_extra() -> dict[str, str]:
+    """The KV transports' mTLS files (the connector's `tls_*_file` keys): this process's
+    internal TLS identity, or empty (plaintext)."""
+    files = internal_tls_files()
+    if files is None:
+        return {"tls_ca_file": "", "tls_cert_file": "", "tls_key_file": ""}
+    return {"tls_ca_file": str(files.ca or ""), "tls_cert_file": str(files.cert or ""),
+            "tls_key_file": str(files.key or "")}
+
+
 def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig,
                        port_file: str = "") -> Any:
     from vllm.config import KVTransferConfig
@@ -55,6 +65,7 @@ def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig,
         "checksum": config.kv_checksum, "shm": config.kv_shm,
         "staging_max_bytes": int(config.kv_staging_gib * (1 << 30)),
         "header_timeout_s": config.kv_header_timeout_s, "max_streams": config.kv_max_streams,
+        **kv_tls_extra(),
     }
     return KVTransferConfig(
         kv_connector="PdserveConnector",
