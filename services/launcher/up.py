@@ -49,6 +49,7 @@ from services.registry.redis_server import RedisServer, redact
 from services.registry.registry import BAD_RECORDS, redis_client
 from services.registry.signing import SECRET_ENV, RecordSigner, load_secret, new_secret
 from services.router.config import RouterConfig
+from services.security.stack import StackCertificates, has_internal_tls
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class LauncherConfig(BaseSettings):
                                 "is killed and restarted")
     start_timeout_s: float = Field(900.0, gt=0, description="an actor not ready this long "
                                    "after a (re)start is restarted")
+    stack_tls: bool = Field(True, description="make a CA for this stack at start, so its "
+                            "internal channels are mutual TLS (local cluster; ignored when "
+                            "--internal-tls-*-file are given)")
     supervisor_metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus port of the supervisor's own counters "
         "(restarts), on loopback (0 = off)")
@@ -111,8 +115,10 @@ class Supervisor(BaseSupervisor):
     redis_url = ""
     secret = ""
 
-    def __init__(self, stack: Stack, redis_url: str, secret: str) -> None:
+    def __init__(self, stack: Stack, redis_url: str, secret: str,
+                 tls: StackCertificates | None = None) -> None:
         lc = stack.launcher
+        self.tls = tls  # this stack's own CA, when it made one
         super().__init__(ProbeSettings(lc.probe_interval_s, lc.probe_timeout_s,
                                        lc.probe_failures, lc.start_timeout_s),
                          local_cluster=not lc.ray_address)
@@ -146,6 +152,8 @@ class Supervisor(BaseSupervisor):
         if role == "router":
             if index == 0:
                 server = s.server.model_copy()
+            if self.tls is not None:
+                server = server.model_copy(update=self.tls.settings(role))
             router = s.router.model_copy(update={"redis_url": self.redis_url})
             return (role, server, None, None, router, False)
         cores = dict(zip(ROLES, split_cores(s.launcher.prefill_cores, s.launcher.decode_cores),
@@ -155,6 +163,8 @@ class Supervisor(BaseSupervisor):
         if self.local_cluster:
             update["kv_host"] = LOOPBACK
         worker = s.worker.model_copy(update=update)
+        if self.tls is not None:
+            server = server.model_copy(update=self.tls.settings(role))
         # Joining a cluster: workers may land on other nodes, so they advertise their
         # node's address; a local cluster keeps everything on loopback.
         return (role, server, engine, worker, None, not self.local_cluster)
@@ -172,6 +182,19 @@ def _init_ray(lc: LauncherConfig) -> None:
     ray.init(namespace="pdserve", include_dashboard=False, log_to_driver=True,
              object_store_memory=256 << 20, _node_ip_address=LOOPBACK,
              resources={"pdserve_prefill": 64, "pdserve_decode": 64, "pdserve_router": 64})
+
+
+def stack_certificates(stack: Stack) -> StackCertificates | None:
+    """A CA for this stack (mTLS on its internal channels) unless it has internal TLS
+    files of its own or is told not to. Only on a local cluster: actors on other nodes
+    could not read files made here (there, give every node the same files)."""
+    if has_internal_tls(stack.server) or not stack.launcher.stack_tls:
+        return None
+    if stack.launcher.ray_address:
+        log.warning("pdserve up on a Ray cluster without --internal-tls-*-file: the "
+                    "internal channels (router -> workers, KV transfers) are not encrypted")
+        return None
+    return StackCertificates()
 
 
 def _secret(cluster: ClusterStateConfig) -> str:
@@ -269,7 +292,8 @@ async def run_up(stack: Stack) -> None:
     await state.write(desired)
     state_file = write_state(redis_url, secret)
     _init_ray(lc)
-    supervisor = Supervisor(stack, redis_url, secret)
+    tls = stack_certificates(stack)
+    supervisor = Supervisor(stack, redis_url, secret, tls)
     watch = Watch(state, desired, local_redis)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -312,4 +336,6 @@ async def run_up(stack: Stack) -> None:
         await redis.aclose()
         if local_redis is not None:
             local_redis.cleanup()
+        if tls is not None:
+            tls.close()
         remove_state()
