@@ -123,6 +123,7 @@ class Delta:
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
+    migrations: int = 0  # on the last delta: times the request moved to another worker
     # The public message this delta arrived as (a worker's chunk on the router path):
     # sent on as is, never rebuilt.
     wire: pb.GenerateResponse | None = None

@@ -91,6 +91,7 @@ def final_pb(delta: Delta, request_id: str = "", prompt_tokens: int = 0,
                        cached_tokens=delta.num_cached_tokens),
         timings=timings_pb(delta.timings),
         request_id=request_id,
+        migrations=delta.migrations,
     ))
 
 

@@ -65,6 +65,12 @@ class EngineConfig(BaseSettings):
         "(VLLM_CPU_OMP_THREADS_BIND); empty = all cores this process may use",
     )
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
+    max_queued_requests: int = Field(
+        256, ge=0, description="requests waiting for their first token in this engine; "
+        "beyond, RESOURCE_EXHAUSTED with a retry hint (0 = no bound)")
+    max_queued_prompt_tokens: int = Field(
+        131072, ge=0, description="prompt tokens waiting for their first token in this "
+        "engine; beyond, RESOURCE_EXHAUSTED (0 = no bound)")
     max_num_batched_tokens: int = Field(
         0, ge=0, description="token budget per step (chunked prefill size); 0 = vLLM's default"
     )

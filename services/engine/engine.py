@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.engine.admission import Admission
 from services.engine.config import EngineConfig, cpu_only
 from services.engine.model import resolve_model
 from services.errors import EngineDead, InvalidRequest
@@ -50,6 +51,7 @@ class Engine:
         self._llm: AsyncLLM | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._facts: ModelFacts | None = None
+        self.admission = Admission(config.max_queued_requests, config.max_queued_prompt_tokens)
 
     # -- life cycle -------------------------------------------------------------------
     def engine_args(self) -> Any:
@@ -143,10 +145,15 @@ class Engine:
         from vllm.exceptions import VLLMValidationError
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        self.admission.enter(len(prompt_token_ids))
+        queued = True
         try:
             async for out in self.llm.generate(
                 {"prompt_token_ids": prompt_token_ids}, params, request_id
             ):
+                if queued:
+                    queued = False
+                    self.admission.leave(len(prompt_token_ids))
                 yield out
         except (VLLMValidationError, ValueError) as e:  # vLLM's own parameter checks
             raise InvalidRequest(f"the engine refused the request: {e}") from e
@@ -154,6 +161,8 @@ class Engine:
             log.error("the engine died serving %s: %s", request_id, e)
             raise EngineDead("the engine of this worker is not running") from e
         finally:
+            if queued:
+                self.admission.leave(len(prompt_token_ids))
             # vLLM aborts on cancellation itself; an explicit abort also covers a
             # consumer that simply stops iterating (aclose).
             await self.abort(request_id)

@@ -34,6 +34,14 @@ class RouterConfig(BaseSettings):
         "counted across routers in Redis (0 = no limit)")
     retry_after_ms: int = Field(500, ge=1, description="router: retry hint sent with "
                                 "RESOURCE_EXHAUSTED")
+    migration_limit: int = Field(
+        3, ge=0, description="router: times a request may move to another worker when the "
+        "one serving it fails (before or after its first token); 0 = fail the request")
+    stream_silence_s: float = Field(
+        2.0, gt=0, description="router: a worker silent this long in a request is probed "
+        "for liveness; one that does not answer is treated as failed (a hang)")
+    probe_timeout_s: float = Field(1.0, gt=0, description="router: longest wait for a "
+                                   "liveness probe's answer")
     refresh_s: float = Field(0.5, gt=0, description="router: how often the worker view is "
                              "re-read from Redis")
     prefix_block_size: int = Field(128, ge=1, description="router: block size of prefix "

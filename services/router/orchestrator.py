@@ -10,12 +10,15 @@ answer got; which worker to route around and whether to migrate is the router's 
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
@@ -45,13 +48,71 @@ class Peer:
     channel: grpc.aio.Channel
 
 
+@dataclass(frozen=True, slots=True)
+class Liveness:
+    """How a hung worker (alive to TCP, silent to us: a stopped process, a wedged loop)
+    is told from a slow one: after `silence_s` without an answer it is asked for its
+    health, and one that does not answer within `probe_timeout_s` has failed."""
+
+    silence_s: float = 2.0
+    probe_timeout_s: float = 1.0
+
+
+async def answers(peer: Peer, timeout_s: float) -> bool:
+    """Whether the worker's gRPC server answers a health check in time (any status: a
+    draining worker still serves the streams it has)."""
+    try:
+        await health_pb2_grpc.HealthStub(peer.channel).Check(
+            health_pb2.HealthCheckRequest(), timeout=timeout_s)
+    except grpc.aio.AioRpcError:
+        return False
+    return True
+
+
+class Watchdog:
+    """Watches one call to a worker: `seen()` on every message; after `silence_s`
+    without one, the worker is probed, and a worker that does not answer has its call
+    cancelled and `hung` set. Costs one timestamp per message on the stream's path."""
+
+    def __init__(self, call: grpc.aio.Call, role: str, peer: Peer, liveness: Liveness) -> None:
+        self.call, self.role, self.peer, self.liveness = call, role, peer, liveness
+        self.last = time.monotonic()
+        self.hung = ""
+        self._task = asyncio.create_task(self._watch())
+
+    def seen(self) -> None:
+        self.last = time.monotonic()
+
+    async def _watch(self) -> None:
+        silence = self.liveness.silence_s
+        while True:
+            await asyncio.sleep(max(0.01, self.last + silence - time.monotonic()))
+            quiet = time.monotonic() - self.last
+            if quiet < silence:
+                continue
+            if await answers(self.peer, self.liveness.probe_timeout_s):
+                self.last = time.monotonic()  # slow, not hung: give it another period
+                continue
+            self.hung = f"silent for {quiet:.1f} s and no answer to a liveness probe"
+            self.call.cancel()
+            return
+
+    def failure(self, streamed: int) -> WorkerFailure:
+        return WorkerFailure(FailedCall(self.role, self.peer.worker_id,
+                                        grpc.StatusCode.UNAVAILABLE, self.hung), streamed)
+
+    def stop(self) -> None:
+        self._task.cancel()
+
+
 def _failure(role: str, peer: Peer, e: grpc.aio.AioRpcError, streamed: int) -> Exception:
     return from_worker_status(FailedCall(role, peer.worker_id, e.code(), e.details() or ""),
                               streamed)
 
 
 async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
-                   target: wpb.KVTarget, fault: str = "") -> AsyncIterator[Delta]:
+                   target: wpb.KVTarget, fault: str = "",
+                   liveness: Liveness = Liveness()) -> AsyncIterator[Delta]:
     """One request: prefill (token 1, KV shipped to `target`), then decode (tokens 2..n).
     Without a prefill worker the decode worker prefills the prompt itself. The last
     delta is finished and carries both phases' timings."""
@@ -62,17 +123,25 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens), fault=fault),
             timeout=timeout)
-        async for delta in _stream_decode(call, decode, None, 0, 0):
+        async for delta in _stream_decode(call, decode, None, 0, 0, liveness):
             yield delta
         return
     first_budget, rest = split_budget(req.max_tokens, s.min_tokens)
+    call1 = wpb_grpc.PrefillServiceStub(prefill.channel).Prefill(wpb.PrefillRequest(
+        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+        sampling=wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens),
+        transfer_id=uuid.uuid4().hex, fault=fault, target=target), timeout=timeout)
+    dog = Watchdog(call1, "prefill", prefill, liveness)
     try:
-        first = await wpb_grpc.PrefillServiceStub(prefill.channel).Prefill(wpb.PrefillRequest(
-            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens),
-            transfer_id=uuid.uuid4().hex, fault=fault, target=target), timeout=timeout)
+        first = await call1
     except grpc.aio.AioRpcError as e:
         raise _failure("prefill", prefill, e, 0) from e
+    except asyncio.CancelledError:
+        if dog.hung:
+            raise dog.failure(0) from None
+        raise
+    finally:
+        dog.stop()
     prefill_timings = Timings(queue_s=first.queue_s, prefill_s=first.prefill_s)
     token1 = Delta([first.first_token_id], first.first_token_text,
                    wire.logprobs_of(list(first.logprobs)))
@@ -90,16 +159,20 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
         first_token_id=first.first_token_id,
         sampling=wire.sampling_pb(s, rest.max_tokens, rest.min_tokens), handle=first.handle,
         fault=fault), timeout=None if timeout is None else max(0.1, timeout))
-    async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1):
+    async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1,
+                                      liveness):
         yield delta
 
 
 async def _stream_decode(call: grpc.aio.UnaryStreamCall, decode: Peer,
                          prefill_timings: Timings | None, cached_tokens: int,
-                         streamed: int) -> AsyncIterator[Delta]:
-    """The decode worker's stream as deltas; chunks keep their message for forwarding."""
+                         streamed: int, liveness: Liveness) -> AsyncIterator[Delta]:
+    """The decode worker's stream as deltas; chunks keep their message for forwarding.
+    `streamed` counts the request's tokens the caller has already passed on."""
+    dog = Watchdog(call, "decode", decode, liveness)
     try:
         async for r in call:
+            dog.seen()
             delta = wire.delta_of(r)
             if delta.finished:
                 if prefill_timings is not None:  # the queue and prefill were the other's
@@ -111,8 +184,15 @@ async def _stream_decode(call: grpc.aio.UnaryStreamCall, decode: Peer,
             streamed += len(delta.token_ids)
             yield delta
     except grpc.aio.AioRpcError as e:
+        if dog.hung:
+            raise dog.failure(streamed) from e
         raise _failure("decode", decode, e, streamed) from e
+    except asyncio.CancelledError:
+        if dog.hung:
+            raise dog.failure(streamed) from None
+        raise
     finally:
+        dog.stop()
         call.cancel()  # no-op when done; else aborts the request on the worker
     raise WorkerFailure(FailedCall("decode", decode.worker_id, grpc.StatusCode.UNAVAILABLE,
                                    "the stream ended without a final message"), streamed)

@@ -29,7 +29,7 @@ from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
 from services.router.config import RouterConfig
 from services.router.facts import model_facts
-from services.router.orchestrator import Peer, run_pair
+from services.router.orchestrator import Liveness, Peer, run_pair
 from services.router.policies import (
     Choice,
     LocalLoad,
@@ -57,13 +57,15 @@ TTFT = Histogram("pdserve_router_time_to_first_token_seconds", "router-side TTFT
                  buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40))
 WORKER_REQUESTS = Counter("pdserve_router_worker_requests", "requests sent to each worker",
                           ["worker", "role"])
-RETRIES = Counter("pdserve_router_retries", "requests re-routed after a worker failed before "
-                  "their first token")
+MIGRATIONS = Counter("pdserve_migrations", "requests moved to another worker after the one "
+                     "serving them failed, by which worker and when",
+                     ["reason"])
 E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side request latency",
                 buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
 
 
-SUSPECT_S = 5.0  # a worker that just failed a call is skipped this long
+SUSPECT_S = 2.0  # a worker that just failed a call is skipped this long (then doubling)
+SUSPECT_MAX_S = 30.0
 
 
 class RouterBackend:
@@ -85,8 +87,9 @@ class RouterBackend:
         self._refresher: asyncio.Task[None] | None = None
         # Workers that just failed a call: skipped until their record expires or they
         # answer heartbeats again with a new epoch (a few seconds).
-        self._suspects: dict[str, float] = {}
+        self._suspects: dict[str, tuple[float, int]] = {}  # id -> (until, failures)
         self._empty_since = float("inf")
+        self.liveness = Liveness(config.stream_silence_s, config.probe_timeout_s)
 
     # -- the worker view --------------------------------------------------------------
     async def start(self, wait_for_workers_s: float = 600.0) -> None:
@@ -157,12 +160,16 @@ class RouterBackend:
     def _live(self, role: str) -> list[WorkerRecord]:
         now = time.monotonic()
         return [w for w in self._view if w.role == role
-                and self._suspects.get(w.worker_id, 0.0) < now]
+                and self._suspects.get(w.worker_id, (0.0, 0))[0] < now]
 
     def _suspect(self, worker_id: str) -> None:
-        """Take a worker out of rotation for a while: it refused a connection or broke a
-        stream. Only worker failures get here, never a client's error."""
-        self._suspects[worker_id] = time.monotonic() + SUSPECT_S
+        """Take a worker out of rotation at once: it refused a connection, broke a stream
+        or hung. Only worker failures get here, never a client's error. The time out
+        doubles with each failure in a row (a worker that stays dead is not retried by
+        every request), up to SUSPECT_MAX_S; a success clears it."""
+        _, failures = self._suspects.get(worker_id, (0.0, 0))
+        pause = min(SUSPECT_S * 2 ** failures, SUSPECT_MAX_S)
+        self._suspects[worker_id] = (time.monotonic() + pause, failures + 1)
 
     async def _choose(self, req: GenerationRequest, hashes: list[str]) -> Choice:
         prefills, decodes = self._live("prefill"), self._live("decode")
@@ -172,8 +179,12 @@ class RouterBackend:
             with contextlib.suppress(Exception):
                 await self.refresh()
             prefills, decodes = self._live("prefill"), self._live("decode")
+        if not decodes and prefills:
+            # No decode worker can serve: a prefill worker runs whole requests (it is a
+            # full engine), so the stack degrades instead of refusing.
+            decodes, prefills = prefills, []
         if not decodes:
-            raise Unavailable("no decode worker is registered")
+            raise Unavailable("no worker is registered that can serve the request")
         hits: dict[str, int] = {}
         if hashes:
             try:
@@ -201,28 +212,44 @@ class RouterBackend:
         return lease
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
+        """Serve `req` on a pair; when a worker fails, move the request to another one
+        (up to `migration_limit` times): it continues from the prompt plus every token
+        the client already has, with the budget that is left, so the client sees one
+        unbroken stream. Greedy output is the same as without the failure."""
         started = time.monotonic()
         lease = await self._admit(req)
         self.inflight += 1
         INFLIGHT.set(self.inflight)
         hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
+        streamed: list[int] = []  # every token the client has received
+        moves = 0
+        leg = req
         try:
-            for attempt in range(2):
-                choice = await self._choose(req, hashes)
+            while True:
+                choice = await self._choose(leg, hashes if not streamed else [])
                 PAIR_CHOICES.labels(choice.reason).inc()
                 DISAGG.labels("remote" if choice.prefill else "local").inc()
                 try:
-                    async for delta in self._run(req, choice, hashes, started):
+                    async for delta in self._run(leg, choice, hashes, started):
+                        if delta.finished:
+                            delta.migrations = moves
+                        streamed += delta.token_ids
                         yield delta
                     return
                 except WorkerFailure as e:
-                    # A worker that broke before the first token: nothing reached the
-                    # client yet, so route again (once) around it.
                     self._suspect(e.worker_id)
-                    if e.streamed or attempt:
+                    if moves >= self.config.migration_limit:
                         raise
-                    RETRIES.inc()
-                    log.warning("re-routing %s: %s", req.request_id, e.message)
+                    moves += 1
+                    reason = f"{e.role}_{'mid_stream' if streamed else 'before_first_token'}"
+                    MIGRATIONS.labels(reason).inc()
+                    log.warning("moving %s after %d tokens (%s): %s", req.request_id,
+                                len(streamed), reason, e.message)
+                    leg = req.continued(streamed)
+                    if (done := self._finished_already(leg, streamed)) is not None:
+                        done.migrations = moves
+                        yield done
+                        return
         finally:
             self.inflight -= 1
             INFLIGHT.set(self.inflight)
@@ -230,6 +257,17 @@ class RouterBackend:
             if lease is not None:
                 with contextlib.suppress(Exception):
                     await self.view.release_client_lease(lease)
+
+    def _finished_already(self, leg: GenerationRequest, streamed: list[int]) -> Delta | None:
+        """The worker broke after the answer's last token but before its final message:
+        the answer is complete, so it is finished here rather than continued."""
+        if leg.max_tokens <= 0:
+            return Delta([], "", finished=True, finish_reason="length")
+        eos = self._facts.eos_token_ids if self._facts is not None else ()
+        if (streamed and not leg.sampling.ignore_eos and streamed[-1] in eos
+                and leg.sampling.min_tokens == 0):
+            return Delta([], "", finished=True, finish_reason="stop")
+        return None
 
     async def _run(self, req: GenerationRequest, choice: Choice, hashes: list[str],
                    started: float) -> AsyncIterator[Delta]:
@@ -249,7 +287,7 @@ class RouterBackend:
         first = True
         try:
             async for delta in run_pair(req, self.peer(p) if p else None, self.peer(d),
-                                        target, self.fault):
+                                        target, self.fault, self.liveness):
                 if first:
                     first = False
                     TTFT.observe(time.monotonic() - started)
@@ -258,6 +296,9 @@ class RouterBackend:
                             await self.view.record_prefix(p.worker_id, hashes)
                 if delta.finished:
                     delta.timings.router_queue_s = dispatched - started
+                    for w in (p, d):
+                        if w is not None:
+                            self._suspects.pop(w.worker_id, None)
                 yield delta
         finally:
             self.local.add(loaded.worker_id, tokens, -1)

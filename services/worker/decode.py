@@ -55,6 +55,9 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         ids = [*req.prompt_token_ids] if local else [*req.prompt_token_ids, req.first_token_id]
         checks.check_prompt(ids, self.limits, "prompt_token_ids + first_token_id")
         h = req.handle
+        if not local and self.worker.identity.role == "prefill":
+            raise IncompatiblePair("this is a prefill worker: it receives no KV, so it serves "
+                                   "whole requests only (no transfer handle)")
         if not local:
             checks.check_id("handle.transfer_id", h.transfer_id)
             if not 0 < h.num_tokens <= len(req.prompt_token_ids):

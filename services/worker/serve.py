@@ -46,7 +46,10 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
     # Before the engine starts: its KV connector takes the internal TLS files from here.
     use_internal_tls(internal_tls(server_cfg))
     worker = Worker.start(role, engine_cfg, config)
-    service: Service = prefill_service(worker) if role == "prefill" else decode_service(worker)
+    # A prefill worker also answers Decode for whole requests (no transfer handle): with
+    # the decode pool gone, the router sends it whole requests instead of refusing them.
+    services: list[Service] = ([prefill_service(worker), decode_service(worker)]
+                               if role == "prefill" else [decode_service(worker)])
     banner = (f"pdserve {role} worker {worker.identity.worker_id} (epoch "
               f"{worker.identity.epoch}, layout {worker.fingerprint.digest()})")
     registry = Registry.from_url(config.redis_url, ttl_s=config.worker_ttl_s) if (
@@ -64,7 +67,7 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
             registry, lambda: worker.record(address, bound.metrics_port), config.heartbeat_s)))
 
     try:
-        await serve(server_cfg, [service], banner, on_ready=register, stop=stop, internal=True)
+        await serve(server_cfg, services, banner, on_ready=register, stop=stop, internal=True)
     finally:
         for task in tasks:
             task.cancel()

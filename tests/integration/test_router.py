@@ -22,6 +22,7 @@ from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import ServerProcess, scrape
+from tests.helpers.streams import reference, streams_through
 
 pytestmark = pytest.mark.engine
 
@@ -187,3 +188,75 @@ async def test_registry_rebuilds_after_a_redis_restart(pool: Pool, redis: RedisS
                                   temperature=0.0, max_tokens=2)
         assert r.completion_tokens == 2
 
+
+
+# -- failures: client errors, hangs and crashes (in this order: the last kills decode-a) --
+def migrations(router: ServerProcess) -> float:
+    text = urllib.request.urlopen(f"http://127.0.0.1:{router.metrics_port}/metrics").read()
+    return sum(s.value for f in text_string_to_metric_families(text.decode())
+               for s in f.samples if s.name == "pdserve_migrations_total")
+
+
+async def test_client_errors_never_count_against_a_worker(pool: Pool, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    router = pool.routers[0]
+    before = migrations(router)
+    async with PdserveClient(router.target) as client:
+        for bad in ({"temperature": float("inf")}, {"temperature": 1e30},
+                    {"repetition_penalty": float("nan")}, {"seed": 2**63}):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await client.generate(text="hello", max_tokens=4, **bad)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, bad
+        async with grpc.aio.insecure_channel(router.target) as channel:
+            garbage = channel.unary_stream("/pdserve.v1.GenerationService/Generate",
+                                           request_serializer=lambda b: b)
+            for junk in (b"\xff\xff\xff", b"\x0a\x05abc"):
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for _ in garbage(junk):
+                        pass
+                assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        # the pair is still the first choice: nothing was marked suspect
+        r = await client.generate(token_ids=prompt_of_length(tokenizer, 200, salt="after bad"),
+                                  temperature=0.0, max_tokens=3, ignore_eos=True)
+    assert r.completion_tokens == 3 and r.timings["kv_transfer_bytes"] > 0
+    assert migrations(router) == before
+
+
+async def test_a_hung_decode_worker_is_detected_and_its_streams_move(
+    pool: Pool, colocated: ServerProcess, tokenizer  # type: ignore[no-untyped-def]
+) -> None:
+    victim = pool.workers["decode-a"]
+    assert victim.proc is not None
+    prompts = [prompt_of_length(tokenizer, n, salt=f"hang {n}") for n in (60, 300)]
+    expected = await reference(colocated, prompts, 48)
+    try:
+        results = await streams_through(pool.routers[0], prompts, 48,
+                                        lambda: os.killpg(victim.proc.pid, signal.SIGSTOP))
+    finally:
+        os.killpg(victim.proc.pid, signal.SIGCONT)
+    for (tokens, moved), want in zip(results, expected, strict=True):
+        assert tokens == want  # no token lost, none repeated, the same greedy answer
+        assert moved >= 1
+
+
+async def test_a_killed_decode_worker_loses_no_stream(
+    pool: Pool, colocated: ServerProcess, tokenizer  # type: ignore[no-untyped-def]
+) -> None:
+    await asyncio.sleep(3)  # decode-a is back in rotation after its hang
+    victim = pool.workers["decode-a"]
+    assert victim.proc is not None
+    prompts = [prompt_of_length(tokenizer, n, salt=f"crash {n}") for n in (80, 500)]
+    expected = await reference(colocated, prompts, 48)
+    router = pool.routers[0]
+    before = migrations(router)
+    results = await streams_through(router, prompts, 48,
+                                    lambda: os.killpg(victim.proc.pid, signal.SIGKILL))
+    for (tokens, moved), want in zip(results, expected, strict=True):
+        assert tokens == want
+        assert moved >= 1
+    assert migrations(router) >= before + 2
+    # with the only decode worker dead, the prefill worker serves whole requests
+    started = time.monotonic()
+    async with PdserveClient(router.target) as client:
+        r = await client.generate(token_ids=prompt_of_length(tokenizer, 40, salt="degraded"),
+                                  temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert r.completion_tokens == 4 and time.monotonic() - started < 5
