@@ -54,12 +54,27 @@ async def _serve_colocated(engine_cfg: EngineConfig, server_cfg: ServerConfig) -
         engine.shutdown()
 
 
+def _security_ok(server_cfg: ServerConfig, internal: bool = False) -> bool:
+    """The security settings checked before anything slow starts; False (and why, on
+    stderr) when they cannot work."""
+    from services.security.policy import CONFIG_ERRORS, preflight
+
+    try:
+        preflight(server_cfg, internal)
+    except CONFIG_ERRORS as e:
+        print(f"error: {e}", file=sys.stderr)
+        return False
+    return True
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.engine.model import ModelPrepareError
     from services.engine.reaper import reap_children_on_exit
 
     engine_cfg = from_arguments(EngineConfig, args)
     server_cfg = from_arguments(ServerConfig, args)
+    if not _security_ok(server_cfg):
+        return 1
     reap_children_on_exit()
     try:
         if args.mode == "colocated":
@@ -82,6 +97,8 @@ def cmd_worker(args: argparse.Namespace) -> int:
     engine_cfg = from_arguments(EngineConfig, args)
     server_cfg = from_arguments(ServerConfig, args)
     worker_cfg = from_arguments(WorkerConfig, args)
+    if not _security_ok(server_cfg, internal=True):
+        return 1
     reap_children_on_exit()
     try:
         asyncio.run(run_worker(args.role, engine_cfg, server_cfg, worker_cfg))
@@ -96,9 +113,11 @@ def cmd_router(args: argparse.Namespace) -> int:
     from services.router.config import RouterConfig
     from services.router.service import run_router
 
+    server_cfg = from_arguments(ServerConfig, args)
+    if not _security_ok(server_cfg):
+        return 1
     try:
-        asyncio.run(run_router(from_arguments(ServerConfig, args),
-                               from_arguments(RouterConfig, args)))
+        asyncio.run(run_router(server_cfg, from_arguments(RouterConfig, args)))
     except (ModelPrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -111,6 +130,8 @@ def cmd_up(args: argparse.Namespace) -> int:
     stack = Stack(from_arguments(LauncherConfig, args), from_arguments(EngineConfig, args),
                   from_arguments(ServerConfig, args), from_arguments(WorkerConfig, args),
                   from_arguments(RouterConfig, args))
+    if not _security_ok(stack.server):
+        return 1
     asyncio.run(run_up(stack))
     return 0
 

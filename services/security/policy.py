@@ -17,13 +17,15 @@ from typing import Any
 
 import grpc
 
-from services.security.apikeys import ApiKeys
+from services.security.apikeys import ApiKeyError, ApiKeys
 from services.security.interceptors import ApiKeyInterceptor
 from services.security.tls import (
     INTERNAL_CHANNEL_OPTIONS,
+    TLSConfigError,
     TLSFiles,
     internal_channel_credentials,
     internal_server_credentials,
+    load,
     server_credentials,
     uvicorn_options,
 )
@@ -128,3 +130,22 @@ def internal_channel(address: str, files: TLSFiles | None,
         return grpc.aio.insecure_channel(address, options=options)
     return grpc.aio.secure_channel(address, internal_channel_credentials(files),
                                    options=[*options, *INTERNAL_CHANNEL_OPTIONS])
+
+
+CONFIG_ERRORS = (ApiKeyError, TLSConfigError, InsecureBindError)
+
+
+def preflight(config: Any, internal: bool = False) -> None:
+    """Check a process's security settings before anything slow starts (an engine takes
+    a minute): every file loads and the public bind rule holds. Raises one of
+    `CONFIG_ERRORS`, whose message says what to fix."""
+    files = internal_tls(config)
+    if files is not None:
+        load(files, need_ca=True, need_cert=True)
+    if internal:
+        return
+    auth = PublicAuth.of(config)
+    check_public_bind(getattr(config, "host", ""), auth, getattr(config, "allow_insecure",
+                                                                 False))
+    if auth.tls is not None:
+        load(auth.tls, need_ca=auth.requires_client_cert, need_cert=True)
