@@ -1,0 +1,167 @@
+"""Faults injected into a running `pdserve up` stack at set times, and how long the
+stack took to be whole again after each.
+
+A fault is written ``KIND@SECONDS`` (``stop-decode@190:10`` adds how long a stop lasts):
+
+- ``kill-decode`` / ``kill-prefill``: SIGKILL of that worker's process (the pid in its
+  registry record). Whole again when a record of that role with a new epoch and a new pid
+  is registered.
+- ``kill-redis``: SIGKILL of the stack's redis-server. Whole again when Redis answers
+  and every worker that was registered before is registered again.
+- ``stop-decode`` / ``stop-prefill``: SIGSTOP of the worker, SIGCONT after the given
+  seconds. Whole again when that role heartbeats after the SIGCONT (the same process
+  resumed) or a new epoch of it is registered (the supervisor replaced it as hung).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from services.bench.upstack import UpStack
+
+KINDS = ("kill-decode", "kill-prefill", "kill-redis", "stop-decode", "stop-prefill")
+
+
+@dataclass(frozen=True, slots=True)
+class Fault:
+    kind: str
+    at_s: float  # seconds after the load started
+    stop_s: float = 10.0  # stop-*: seconds between SIGSTOP and SIGCONT
+
+    def __post_init__(self) -> None:
+        if self.kind not in KINDS:
+            raise ValueError(f"unknown fault {self.kind!r}; choose from {KINDS}")
+        if self.at_s < 0 or self.stop_s <= 0:
+            raise ValueError(f"bad times in fault {self}")
+
+    @classmethod
+    def parse(cls, text: str) -> Fault:
+        """``KIND@SECONDS[:STOP_SECONDS]``."""
+        try:
+            kind, when = text.split("@", 1)
+            at, _, stop = when.partition(":")
+            return cls(kind, float(at), float(stop) if stop else 10.0)
+        except ValueError as e:
+            raise ValueError(f"bad fault {text!r} (KIND@SECONDS[:STOP_SECONDS]): {e}") from None
+
+    @property
+    def role(self) -> str:
+        return self.kind.split("-", 1)[1]
+
+    def label(self) -> str:
+        return f"{self.kind} {self.stop_s:g} s" if self.kind.startswith("stop") else self.kind
+
+
+@dataclass(slots=True)
+class FaultEvent:
+    """One fault as it happened (epoch seconds)."""
+
+    fault: Fault
+    at: float = 0.0  # the signal was sent
+    pid: int = 0  # the process signalled
+    old_epoch: int = 0
+    resumed_at: float | None = None  # stop-*: SIGCONT sent
+    recovered_at: float | None = None  # whole again (see the module docstring)
+    recovered_how: str = ""
+    error: str = ""
+
+    @property
+    def recovery_s(self) -> float | None:
+        return None if self.recovered_at is None else self.recovered_at - self.at
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["label"] = self.fault.label()
+        d["recovery_s"] = self.recovery_s
+        return d
+
+
+@dataclass(slots=True)
+class FaultPlan:
+    """Runs the faults of one run against a stack, each at its time after `t0`."""
+
+    stack: UpStack
+    faults: list[Fault]
+    recover_timeout_s: float = 240.0
+    events: list[FaultEvent] = field(default_factory=list)
+
+    async def run(self, t0: float) -> list[FaultEvent]:
+        """Inject every fault at t0 + at_s (epoch seconds), one after another, watching
+        each until the stack is whole again (or the next fault is due)."""
+        for fault in sorted(self.faults, key=lambda f: f.at_s):
+            await asyncio.sleep(max(0.0, t0 + fault.at_s - time.time()))
+            event = FaultEvent(fault)
+            self.events.append(event)
+            try:
+                await self._inject(event)
+            except Exception as e:  # a fault that could not be injected is reported
+                event.error = f"{type(e).__name__}: {e}"
+                continue
+            later = [f.at_s for f in self.faults if f.at_s > fault.at_s]
+            until = t0 + later[0] if later else event.at + self.recover_timeout_s
+            await self._watch(event, min(until, event.at + self.recover_timeout_s))
+        return self.events
+
+    async def _worker(self, role: str) -> tuple[int, int]:
+        records = [w for w in await self.stack.records() if w.role == role]
+        if not records:
+            raise RuntimeError(f"no {role} worker registered")
+        return records[0].pid, records[0].epoch
+
+    async def _inject(self, event: FaultEvent) -> None:
+        fault = event.fault
+        if fault.kind == "kill-redis":
+            pid = self.stack.redis_pid()
+            if pid is None:
+                raise RuntimeError("no redis-server in the stack's process tree")
+            event.pid, event.at = pid, time.time()
+            os.kill(pid, signal.SIGKILL)
+            return
+        event.pid, event.old_epoch = await self._worker(fault.role)
+        if fault.kind.startswith("kill"):
+            event.at = time.time()
+            os.kill(event.pid, signal.SIGKILL)
+            return
+        event.at = time.time()
+        os.kill(event.pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(fault.stop_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # replaced as hung meanwhile
+                os.kill(event.pid, signal.SIGCONT)
+            event.resumed_at = time.time()
+
+    async def _watch(self, event: FaultEvent, deadline: float) -> None:
+        fault = event.fault
+        before = {"prefill", "decode"}
+        while time.time() < deadline:
+            try:
+                records = await self.stack.records()
+            except Exception:  # Redis away
+                records = []
+            now = time.time()
+            roles = {w.role for w in records}
+            if fault.kind == "kill-redis":
+                if await self.stack.redis_ping() and before <= roles:
+                    event.recovered_at, event.recovered_how = now, "Redis answers, workers " \
+                        "registered again"
+                    return
+            else:
+                mine = [w for w in records if w.role == fault.role]
+                if any(w.epoch != event.old_epoch and w.pid != event.pid for w in mine):
+                    event.recovered_at = now
+                    event.recovered_how = "registered again with a new epoch"
+                    return
+                resumed = event.resumed_at
+                if resumed is not None and any(
+                        w.pid == event.pid and w.updated > resumed for w in mine):
+                    event.recovered_at = now
+                    event.recovered_how = "the stopped process heartbeats again"
+                    return
+            await asyncio.sleep(0.25)
