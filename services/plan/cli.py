@@ -40,12 +40,20 @@ def _profile(args: argparse.Namespace) -> int:
     from services.engine.config import EngineConfig
     from services.engine.model import ModelPrepareError
     from services.engine.reaper import reap_children_on_exit
-    from services.plan.profile import QUICK, Grid, describe, run_profile
+    from services.plan.costmodel import Profile
+    from services.plan.profile import QUICK, describe, refit, run_profile
 
+    if args.refit:  # no engine: fit the saved samples again (after a change to the fit)
+        profile = refit(Profile.load(Path(args.out)))
+        profile.save(Path(args.out))
+        print(describe(profile))
+        return 0
     reap_children_on_exit()
     base = EngineConfig.model_validate({
         "model": args.model, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
         "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs})
+    from services.plan.profile import Grid
+
     grid = QUICK if args.quick else Grid()
     if args.no_transports:
         grid = dataclasses.replace(grid, transports=())
@@ -173,6 +181,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prof.add_argument("--quick", action="store_true",
                       help="a tiny grid on one engine (seconds of measuring; for tests)")
     prof.add_argument("--no-transports", action="store_true", help="skip the KV transports")
+    prof.add_argument("--refit", action="store_true",
+                      help="measure nothing: fit the samples already in --out again")
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     prof.set_defaults(func=cmd_profile)
 

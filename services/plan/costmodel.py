@@ -171,11 +171,23 @@ def decode_features(batch: int, context: int) -> np.ndarray:
 
 def fit_step_cost(samples: list[dict[str, Any]]) -> tuple[StepCost, dict[str, float]]:
     """Fits a StepCost to samples {"features": [...], "seconds": s}; returns it with its
-    median and max relative error over those samples."""
-    x = np.array([s["features"] for s in samples], dtype=float)
-    y = np.array([s["seconds"] for s in samples], dtype=float)
-    coef = nnls(x, y, 1.0 / np.maximum(y, 1e-6))
-    rel = np.abs(x @ coef - y) / np.maximum(y, 1e-9)
+    median and max relative error over the points it kept. Repeats of one measurement
+    count by their fastest (other processes only ever add time), and one pass drops
+    outliers (off by more than 3x the median error and by 25%): on a shared machine a
+    measurement now and then catches another process's burst, and one such point would
+    otherwise pull every coefficient."""
+    fastest: dict[tuple[float, ...], float] = {}
+    for s in samples:
+        key = tuple(s["features"])
+        fastest[key] = min(fastest.get(key, float("inf")), float(s["seconds"]))
+    x = np.array(list(fastest), dtype=float)
+    y = np.array(list(fastest.values()), dtype=float)
+    keep = np.ones(len(y), dtype=bool)
+    for _ in range(2):
+        coef = nnls(x[keep], y[keep], 1.0 / np.maximum(y[keep], 1e-6))
+        rel = np.abs(x @ coef - y) / np.maximum(y, 1e-9)
+        keep = rel <= max(0.25, 3 * float(np.median(rel[keep])))
+    rel = rel[keep]
     return StepCost.from_coefficients(coef), {
-        "samples": len(y), "median_abs_rel_error": float(np.median(rel)),
-        "max_abs_rel_error": float(rel.max())}
+        "samples": len(samples), "points": len(y), "dropped": int((~keep).sum()),
+        "median_abs_rel_error": float(np.median(rel)), "max_abs_rel_error": float(rel.max())}

@@ -31,7 +31,6 @@ import numpy as np
 from services.engine.config import EngineConfig, available_cores, cpu_only
 from services.plan.costmodel import (
     Profile,
-    StepCost,
     Transport,
     chunk_attention,
     decode_features,
@@ -62,7 +61,7 @@ class Grid:
     transfer_rounds: int = 3
 
     def measurements(self) -> int:
-        per = len(self.prefill_lengths) * self.repeats + len(self.decode_points)
+        per = (len(self.prefill_lengths) + len(self.decode_points)) * self.repeats
         chunked = (len(self.chunked_lengths) * self.repeats + 1) if self.chunked else 0
         return per * (2 if self.one_core else 1) + chunked + len(self.transports)
 
@@ -164,9 +163,10 @@ async def _measure_engine(cfg: EngineConfig, label: str, units: int, grid: Grid,
             for _ in range(grid.repeats):
                 await s.prefill(length)
                 tick(f"{label}: prefill {length}")
-        for batch, context in grid.decode_points:
-            await s.decode(batch, context, grid.decode_tokens)
-            tick(f"{label}: decode {batch}x{context}")
+        for _ in range(grid.repeats):  # a whole pass per repeat: a burst hits one pass
+            for batch, context in grid.decode_points:
+                await s.decode(batch, context, grid.decode_tokens)
+                tick(f"{label}: decode {batch}x{context}")
         return s.samples, facts
     finally:
         engine.shutdown()
@@ -282,23 +282,28 @@ def run_profile(base: EngineConfig, grid: Grid, progress: bool = True) -> Profil
     transports = measure_transports(grid.transports, layout, dtype, grid.transfer_blocks,
                                     grid.transfer_rounds, tick)
     bar.close()
-    step_cost: dict[int, StepCost] = {}
-    fit: dict[str, Any] = {}
-    for units in sorted({s["units"] for s in samples}):
-        mine = [s for s in samples if s["units"] == units]
-        step_cost[units], fit[str(units)] = fit_step_cost(mine)
     default = facts["default"]
-    return Profile(
+    return refit(Profile(
         hardware=hardware(), versions=versions(), unit="gpu" if not cpu_only() else "core",
         model={"name": model_path.name, "dtype": dtype, **layout,
                "max_model_len": base.max_model_len},
-        step_cost=step_cost, transports=transports,
+        step_cost={}, transports=transports,
         default_max_num_batched_tokens=default["max_num_batched_tokens"],
         max_num_seqs=default["max_num_seqs"], kv_bytes_per_token=kv_per_token,
         kv_cache_tokens=int(base.kv_cache_gib * (1 << 30) // kv_per_token),
         units_total=len(cores), created=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        samples=samples, fit={**fit, "profile_s": time.perf_counter() - t0, "engines": facts},
-        notes="measured by `pdserve plan profile`; each engine alone on the machine")
+        samples=samples, fit={"profile_s": time.perf_counter() - t0, "engines": facts},
+        notes="measured by `pdserve plan profile`; each engine alone on the machine"))
+
+
+def refit(profile: Profile) -> Profile:
+    """The profile with its step costs fitted (again) from its samples, per engine size."""
+    for units in sorted({s["units"] for s in profile.samples}):
+        mine = [s for s in profile.samples if s["units"] == units]
+        profile.step_cost[units], profile.fit[str(units)] = fit_step_cost(mine)
+    if not profile.step_cost:
+        raise ValueError("the profile has no samples to fit")
+    return profile
 
 
 def replace_engine(cfg: EngineConfig, **changes: Any) -> EngineConfig:
