@@ -15,37 +15,43 @@ DEFAULT_THRESHOLDS = (128, 256, 512, 1024)
 def configurations(profile: Profile, units: int, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
                    thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS, engine_units: int = 1,
                    max_splits: int = 8, transport: str = "grpc") -> list[FleetConfig]:
-    """Colocated (one engine on every unit at the default and each tuned budget; and one
-    engine per ``engine_units`` where that is a different fleet), every P:D split of
-    ``units`` into pools of ``engine_units``-sized engines (at most ``max_splits`` of them,
-    evenly spread), and conditional disaggregation at each threshold on the split with
-    the most decode capacity that still has a prefill pool."""
+    """Colocated at the default and each tuned budget, every P:D split of ``units``
+    (at most ``max_splits``, evenly spread), and conditional disaggregation at each
+    threshold on one split.
+
+    On CPU cores (one host) every configuration is one engine per role, because
+    `pdserve up` pins all workers of a role to the same cores: colocated is one engine
+    on every core, a P:D split is a prefill engine on P cores and a decode engine on the
+    rest. On GPUs each engine has ``engine_units`` GPUs and the pools hold as many as fit.
+    """
     if units < 1 or engine_units < 1:
         raise ValueError("units and engine_units must be >= 1")
-    out: list[FleetConfig] = []
-    whole = units if profile.unit == "core" else engine_units
-    count = units // whole
-    out.append(FleetConfig("colocated_default", PoolSpec(count, whole)))
-    for b in budgets:
-        out.append(FleetConfig(f"colocated_b{b}", PoolSpec(count, whole, b)))
-    engines = units // engine_units
-    if engines > count:
-        out.append(FleetConfig(f"colocated_{engines}x{engine_units}",
-                               PoolSpec(engines, engine_units)))
-    splits = list(range(1, engines))
+    on_cores = profile.unit == "core"
+    size = units if on_cores else engine_units
+    count = 1 if on_cores else units // engine_units
+    out = [FleetConfig("colocated_default", PoolSpec(count, size))]
+    out += [FleetConfig(f"colocated_b{b}", PoolSpec(count, size, b)) for b in budgets]
+    steps = units if on_cores else count
+    splits = list(range(1, steps))
     if len(splits) > max_splits:
         step = (len(splits) - 1) / (max_splits - 1)
         splits = sorted({splits[round(i * step)] for i in range(max_splits)})
+
+    def pools(p: int) -> tuple[PoolSpec, PoolSpec]:
+        if on_cores:
+            return PoolSpec(1, units - p), PoolSpec(1, p)
+        return PoolSpec(count - p, engine_units), PoolSpec(p, engine_units)
+
     for p in splits:
-        out.append(FleetConfig(f"disagg_{p}p{engines - p}d", PoolSpec(engines - p, engine_units),
-                               PoolSpec(p, engine_units), transport=transport))
+        decode, prefill = pools(p)
+        out.append(FleetConfig(f"disagg_{p}p{steps - p}d", decode, prefill,
+                               transport=transport))
     if splits:
-        p = splits[0] if profile.unit == "core" else max(1, splits[len(splits) // 3])
+        p = splits[0] if on_cores else max(1, splits[len(splits) // 3])
+        decode, prefill = pools(p)
         for t in thresholds:
-            out.append(FleetConfig(f"conditional_{p}p{engines - p}d_t{t}",
-                                   PoolSpec(engines - p, engine_units),
-                                   PoolSpec(p, engine_units), local_prefill_max_tokens=t,
-                                   transport=transport))
+            out.append(FleetConfig(f"conditional_{p}p{steps - p}d_t{t}", decode, prefill,
+                                   local_prefill_max_tokens=t, transport=transport))
     return out
 
 

@@ -111,7 +111,7 @@ def test_requests_past_the_horizon_fail() -> None:
 
 
 def test_ten_configurations_at_four_rates_are_fast() -> None:
-    cfgs = configurations(profile(), 2)
+    cfgs = configurations(profile(), 2, budgets=(128, 256, 512, 1024))
     assert len(cfgs) == 10
     preds, took = predict_all(cfgs, profile(), WORKLOAD, ARRIVALS, [0.5, 1, 1.5, 2], 80,
                               SLOs(ttft_s=4, tpot_s=0.1))
