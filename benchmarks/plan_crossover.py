@@ -102,6 +102,17 @@ def with_mfu(prof: Profile, mfu: float) -> Profile:
     return replace(prof, step_cost={1: scaled})
 
 
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    from services.plan.plots import crossover
+
+    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
+    for r in results:
+        lines = series.setdefault(f"{r['study'].split(':')[0]} (MFU {r['mfu']:.0%})", {})
+        lines.setdefault(r["family"], []).append((r["gpus"], r["rate"] / r["gpus"]))
+    crossover(series, path, "SIMULATION: Llama-3.1-8B on H100 (published profile), "
+              "max goodput per GPU at 90% SLO attainment")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -115,17 +126,20 @@ def main() -> None:
                    help="prefill utilisations to run (the profile's is 0.5)")
     p.add_argument("--json", default="bench-results/plan_crossover.json", help="results")
     p.add_argument("--plot", default="docs/benchmarks/plan_crossover.png", help="plot")
+    p.add_argument("--replot", action="store_true",
+                   help="simulate nothing: draw --plot again from the results in --json")
     args = p.parse_args()
+    if args.replot:
+        plot(json.loads(Path(args.json).read_text())["results"], Path(args.plot))
+        return
 
     base = Profile.load(PROFILE)
     t0 = time.perf_counter()
     out: dict[str, Any] = {"profile": str(PROFILE.relative_to(ROOT)), "args": vars(args),
                            "results": []}
-    series: dict[str, dict[str, list[tuple[int, float]]]] = {}
     for mfu in args.mfu:
         prof = with_mfu(base, mfu)
         for study in STUDIES:
-            lines = series.setdefault(f"{study.name.split(':')[0]} (MFU {mfu:.0%})", {})
             start = {"colocated": 10.0 if study.name.startswith("chat") else 0.5}
             for gpus in args.gpus:
                 for family, cfgs in families(gpus, args.transport).items():
@@ -137,7 +151,6 @@ def main() -> None:
                     out["results"].append({"study": study.name, "mfu": mfu, "gpus": gpus,
                                            "family": family, "best": best,
                                            "rate": rates[best], "all": rates})
-                    lines.setdefault(family, []).append((gpus, rates[best] / gpus))
                     start[family] = max(rates[best] / gpus, 0.05)
                     print(f"{study.name.split(':')[0]:<12} MFU {mfu:.2f} {gpus:>3} GPUs "
                           f"{family:<14} best {best:<26} {rates[best]:8.1f} req/s "
@@ -145,10 +158,7 @@ def main() -> None:
     out["seconds"] = time.perf_counter() - t0
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
-    from services.plan.plots import crossover
-
-    crossover(series, Path(args.plot), "SIMULATION: Llama-3.1-8B on H100 (published profile), "
-              "max goodput per GPU at 90% SLO attainment")
+    plot(out["results"], Path(args.plot))
     print(f"wrote {args.json} and {args.plot} in {out['seconds']:.0f} s")
 
 

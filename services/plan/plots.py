@@ -84,6 +84,7 @@ def crossover(series: dict[str, dict[str, list[tuple[int, float]]]], path: Path,
         for family, points in lines.items():
             ax.plot([g for g, _ in points], [v for _, v in points], marker="o", label=family)
         ax.set_xscale("log", base=2)
+        ax.set_ylim(bottom=0)
         ax.set_xlabel("GPUs")
         ax.set_ylabel("simulated goodput per GPU (req/s)")
         ax.set_title(workload, fontsize=10)
