@@ -7,7 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from opentelemetry.context import Context
-from opentelemetry.trace import Span, SpanKind
+from opentelemetry.trace import SpanKind
 
 from services.observability import tracing
 from services.observability.spans import Attr, AttrValue, SpanHandle, start_span
@@ -147,41 +147,38 @@ NULL_PREFILL = PrefillSpan(None)
 class DecodeSpan(SpanHandle):
     """`pdserve.decode`: the decode worker's handling of one `Decode` call."""
 
-    __slots__ = ("steps",)
+    __slots__ = ()
 
-    def __init__(self, span: Span | None) -> None:
-        super().__init__(span)
-        self.steps = 0
-
-    def step(self) -> None:
-        """One engine output for this request (one scheduler step with its tokens)."""
-        self.steps += 1
-
-    def done(self, queue_s: float, kv_wait_s: float, completion_tokens: int,
+    def done(self, queue_s: float, kv_wait_s: float, steps: int, completion_tokens: int,
              finish_reason: str | None, decode_s: float) -> None:
         """`queue_s`: received -> first step; `kv_wait_s`: the part of it spent waiting
-        for the prompt's KV to arrive (0 when it was there first)."""
+        for the prompt's KV to arrive (0 when it was there first); `steps`: engine
+        outputs for this request (one per scheduler step that gave it tokens)."""
         if not self:
             return
-        self.set({Attr.DECODE_QUEUE: queue_s, Attr.KV_WAIT: kv_wait_s, Attr.STEPS: self.steps,
+        self.set({Attr.DECODE_QUEUE: queue_s, Attr.KV_WAIT: kv_wait_s, Attr.STEPS: steps,
                   Attr.DECODE_TIME: decode_s, **_usage(completion_tokens, finish_reason)})
 
 
 def decode_span(request_id: str, prompt_tokens: int, worker_id: str, epoch: int,
                 parent: Context | None, local_prefill: bool) -> DecodeSpan:
     if not tracing.enabled():
-        return DecodeSpan(None)  # its own: it counts steps
+        return NULL_DECODE
     attrs = {**_worker_attrs("decode", request_id, prompt_tokens, worker_id, epoch),
              Attr.LOCAL_PREFILL: local_prefill}
     return DecodeSpan(start_span("pdserve.decode", parent, attrs, SpanKind.SERVER).span)
 
 
+NULL_DECODE = DecodeSpan(None)
+
+
 # -- the KV transfer --------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class TransferFacts:
     """One transfer as the decode worker saw it: its load report (bytes, first and last
     byte, time.time()) and the `Timings` it derived (duration, part hidden behind
-    prefill). Optional figures are recorded only when known."""
+    prefill). Optional figures are recorded only when known. Build it only for a
+    recording decode span (`if span:`): it is the one costly thing at that call site."""
 
     transfer_id: str
     transport: str

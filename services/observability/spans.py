@@ -116,16 +116,20 @@ def _ns(wall: float) -> int:
 class SpanHandle:
     """One span of a request, or nothing (`NULL_SPAN`). Methods never raise."""
 
-    __slots__ = ("span",)
+    __slots__ = ("recording", "span")
 
     def __init__(self, span: trace.Span | None) -> None:
         self.span = span
+        # An unsampled request still has a span (its context travels to the workers,
+        # so they do not sample it either) but records nothing: call sites test the
+        # handle (`if span:`) before building attributes that only a recording uses.
+        self.recording = span is not None and span.is_recording()
 
     def __bool__(self) -> bool:
-        return self.span is not None
+        return self.recording
 
     def set(self, attrs: Mapping[str, AttrValue | list[str] | None]) -> None:
-        if self.span is not None:
+        if self.span is not None and self.recording:
             for key, value in attrs.items():
                 if value is not None:
                     self.span.set_attribute(key, value)
@@ -133,13 +137,13 @@ class SpanHandle:
     def event(self, name: str, attrs: Mapping[str, AttrValue] | None = None,
               wall: float | None = None) -> None:
         """An event now, or at `wall` (time.time()) when it happened earlier."""
-        if self.span is not None:
+        if self.span is not None and self.recording:
             self.span.add_event(name, dict(attrs or {}),
                                 timestamp=None if wall is None else _ns(wall))
 
     def fail(self, error: BaseException | str, error_type: str = "") -> None:
         """Mark the span failed: `error_type` is the status name the caller got."""
-        if self.span is None:
+        if self.span is None or not self.recording:
             return
         if isinstance(error, BaseException):
             self.span.record_exception(error)
@@ -168,6 +172,14 @@ class SpanHandle:
         if self.span is None:
             return extra or None
         return (*extra, *self.headers().items())
+
+    def exemplar(self) -> dict[str, str] | None:
+        """A Prometheus exemplar naming this span's trace (`Histogram.observe(v,
+        exemplar=...)`), so a dashboard's latency bucket links to a trace of it."""
+        if self.span is None or not self.recording:
+            return None
+        ctx = self.span.get_span_context()
+        return {"trace_id": format(ctx.trace_id, "032x"), "span_id": format(ctx.span_id, "016x")}
 
     def __enter__(self) -> SpanHandle:
         return self

@@ -61,8 +61,8 @@ def test_off_by_default_and_every_helper_is_inert() -> None:
     with prefill_span("r1", 10, "w", 1, None) as p:
         p.done(0.1, 0.2, 0, 2.0, 1.0)
     d = decode_span("r1", 10, "w", 1, None, local_prefill=False)
-    d.step()
-    assert d.steps == 1 and not d
+    d.done(0.1, 0.0, 3, 3, "stop", 0.5)
+    assert not d and d is decode_span("r2", 10, "w", 1, None, local_prefill=True)
 
 
 @pytest.mark.parametrize(("env", "flag", "expected"), [
@@ -157,6 +157,18 @@ def test_sampling_ratio_zero_exports_nothing_unless_the_client_sampled_it(
     tracing.shutdown_tracing()  # flushes: whatever was queued has been sent now
     assert [(s.name, s.trace_id, s.attributes["gen_ai.request.id"]) for s in receiver.spans] \
         == [("pdserve.router", CLIENT_TRACE, "asked")]
+
+
+def test_an_unsampled_span_records_nothing_but_still_carries_its_context() -> None:
+    memory = _memory()
+    tracing.setup_tracing("pdserve-router", None, 0.0, exporter=memory)
+    root = router_span("r", 7, 4, "m", None)
+    assert not root  # call sites skip building attributes
+    md = dict(root.grpc_metadata() or ())
+    flags = int(md["traceparent"].rsplit("-", 1)[1], 16)
+    assert flags & 1 == 0  # "not sampled" reaches the workers
+    root.end()
+    assert memory.get_finished_spans() == ()
 
 
 def test_without_traceparent_each_request_starts_its_own_trace() -> None:

@@ -13,6 +13,7 @@ from opentelemetry.trace import StatusCode
 from services.errors import Overloaded
 from services.observability import tracing
 from services.observability.request_spans import (
+    NULL_ROUTER,
     TransferFacts,
     decode_span,
     prefill_span,
@@ -87,6 +88,21 @@ def test_an_error_inside_the_span_marks_it_with_the_callers_status(
     assert [e.name for e in s.events] == ["admitted", "exception"]
 
 
+def test_exemplar_names_the_trace_for_latency_histograms(spans: InMemorySpanExporter) -> None:
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+    from prometheus_client.openmetrics.exposition import generate_latest as openmetrics
+
+    span = router_span("r", 5, 4, "m", None)
+    exemplar = span.exemplar()
+    assert exemplar is not None and len(exemplar["trace_id"]) == 32
+    reg = CollectorRegistry()
+    Histogram("ttft_seconds", "", registry=reg).observe(0.3, exemplar=exemplar)
+    assert exemplar["trace_id"] in openmetrics(reg).decode()
+    assert b"trace_id" not in generate_latest(reg)  # the classic text format has none
+    span.end()
+    assert NULL_ROUTER.exemplar() is None
+
+
 def test_rejection_is_recorded_with_its_reason(spans: InMemorySpanExporter) -> None:
     span = router_span("r", 5, 4, "m", None)
     span.rejected("client_limit", "client 'a' has 2 requests in flight")
@@ -104,9 +120,7 @@ def test_prefill_and_decode_spans_are_children_with_their_anatomy(
            started_wall=1000.0)
     p.end()
     d = decode_span("r", 100, "decode-a", 5, root.context(), local_prefill=False)
-    for _ in range(7):
-        d.step()
-    d.done(queue_s=0.04, kv_wait_s=0.01, completion_tokens=7, finish_reason="length",
+    d.done(queue_s=0.04, kv_wait_s=0.01, steps=7, completion_tokens=7, finish_reason="length",
            decode_s=0.3)
     d.end()
     root.end()

@@ -1,0 +1,151 @@
+"""What tracing costs per request, off and on.
+
+`micro`: the tracing calls one routed request makes, timed in a tight loop: the
+router's (the client's context extracted, the router span with its events, trace
+context on the prefill and decode calls) and the workers' (the prefill span, the decode
+span, the KV transfer span). With tracing off (the default), and on with the real
+OTLP/gRPC exporter sending every span to a real OTLP receiver in another process (its
+CPU counted). Reported as CPU time per request, next to the router's own per-request
+cost (BENCHMARKS.md, router overhead).
+
+    python benchmarks/tracing_overhead.py micro --json bench-results/tracing_micro.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from services.observability import tracing  # noqa: E402
+from services.observability.request_spans import (  # noqa: E402
+    TransferFacts,
+    decode_span,
+    prefill_span,
+    record_kv_transfer,
+    router_span,
+)
+
+CLIENT = [("traceparent", "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"),
+          ("user-agent", "grpc-python")]
+
+
+TIMINGS = {"queue_s": 0.01, "prefill_s": 0.2, "decode_s": 0.5}
+
+
+def router_calls(tokens: int) -> None:
+    """The router's tracing calls for one request (the workers' come with their own
+    `traceparent`, as the metadata would carry it)."""
+    root = router_span("req", 1000, tokens, "m", tracing.extract_grpc(CLIENT), 0.0, 1.0)
+    root.admitted(1)
+    root.pair(0, "prefill-a", "decode-a", "load")
+    root.grpc_metadata()
+    root.first_token(0.21)
+    root.grpc_metadata()
+    root.finish("length", tokens, TIMINGS, 0.8)
+    root.end()
+
+
+def worker_calls(tokens: int) -> None:
+    """The prefill and decode workers' calls for one request (KV transfer included)."""
+    p = prefill_span("req", 1000, "prefill-a", 1, tracing.extract_grpc(CLIENT))
+    p.done(0.01, 0.2, 0, 1000.3, 1000.0)
+    p.end()
+    d_parent = tracing.extract_grpc(CLIENT)
+    d = decode_span("req", 1000, "decode-a", 1, d_parent, local_prefill=False)
+    if d:  # as the decode worker does: the facts are built only for a recording span
+        record_kv_transfer(d_parent, TransferFacts("t", "grpc", True, 3 << 20, 1000.1,
+                                                   1000.16, 0.04, "prefill-a", "decode-a"))
+    d.done(0.01, 0.0, tokens - 1, tokens - 1, "length", 0.5)
+    d.end()
+
+
+def timed(calls: Any, n: int, tokens: int, flush: bool = False) -> float:
+    """CPU seconds (this process, exporter thread included) per request over n; with
+    `flush`, the export of what they made is inside the measurement."""
+    t0 = time.process_time()
+    for _ in range(n):
+        calls(tokens)
+    if flush:
+        tracing.force_flush(60.0)
+    return (time.process_time() - t0) / n
+
+
+def empty_loop(n: int) -> float:
+    t0 = time.process_time()
+    for _ in range(n):
+        pass
+    return (time.process_time() - t0) / n
+
+
+def receiver_process(ready: Any, stop: Any) -> None:
+    from tests.helpers.otlp_receiver import OtlpReceiver
+
+    r = OtlpReceiver().start()
+    ready.put(r.endpoint)
+    stop.wait()
+    ready.put(len(r.spans))
+    r.stop()
+
+
+def micro(args: argparse.Namespace) -> dict[str, Any]:
+    # Every span is exported (no drops), so "on" includes the exporter's CPU.
+    os.environ["OTEL_BSP_MAX_QUEUE_SIZE"] = str(args.requests * 4)
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=receiver_process, args=(ready, stop), daemon=True)
+    proc.start()
+    endpoint = ready.get(timeout=60)
+    samples: dict[str, list[float]] = {}
+    made = 0
+    # Interleaved rounds, so drift on a shared machine hits both sides alike.
+    for _ in range(args.rounds):
+        samples.setdefault("empty_loop", []).append(empty_loop(args.requests))
+        for name, calls in (("router", router_calls), ("workers", worker_calls)):
+            tracing.shutdown_tracing()
+            samples.setdefault(f"{name}_off", []).append(timed(calls, args.requests,
+                                                               args.tokens))
+            tracing.setup_tracing("pdserve-bench", endpoint, 1.0)
+            n = args.requests // 10
+            samples.setdefault(f"{name}_on", []).append(timed(calls, n, args.tokens, True))
+            made += n * (1 if name == "router" else 3)
+    tracing.shutdown_tracing()
+    stop.set()
+    received = ready.get(timeout=60)
+    proc.join(10)
+    result: dict[str, Any] = {"requests_per_round": args.requests, "rounds": args.rounds,
+                              "tokens_per_request": args.tokens, "spans_made": made,
+                              "spans_received": received}
+    for name, values in samples.items():
+        result[f"{name}_us_per_request"] = statistics.median(values) * 1e6
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    m = sub.add_parser("micro", help="the tracing calls of one request, off vs on")
+    m.add_argument("--requests", type=int, default=20000, help="requests per round (off)")
+    m.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
+    m.add_argument("--tokens", type=int, default=16, help="tokens per request")
+    m.add_argument("--json", default="", help="write the summary here as JSON")
+    args = parser.parse_args()
+    summary = micro(args)
+    print(json.dumps(summary, indent=2))
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(summary, indent=2))
+
+
+if __name__ == "__main__":
+    main()
