@@ -23,12 +23,18 @@ SCHEMA = ROOT / "helm" / "pdserve" / "values.schema.json"
 
 # Fields the chart derives from its own values (see templates/configmap.yaml).
 MANAGED: dict[str, frozenset[str]] = {
-    "ServerConfig": frozenset({"host", "port", "metrics_port", "http_port"}),
+    # and the security files, mounted from the chart's Secrets (values.security).
+    "ServerConfig": frozenset({"host", "port", "metrics_port", "http_port", "health_port",
+                               "api_keys_file", "tls_cert_file", "tls_key_file",
+                               "tls_client_ca_file", "allow_insecure",
+                               "internal_tls_ca_file", "internal_tls_cert_file",
+                               "internal_tls_key_file"}),
     "EngineConfig": frozenset({"model"}),
     "WorkerConfig": frozenset({"worker_id", "redis_url", "advertise_host", "kv_host",
                                "kv_advertise_host", "kv_port"}),
     "RouterConfig": frozenset({"redis_url", "router_model"}),
-    "LauncherConfig": frozenset({"prefill", "decode", "ray_address"}),
+    # stack_tls: the chart mounts certificates, `pdserve up` makes none.
+    "LauncherConfig": frozenset({"prefill", "decode", "ray_address", "stack_tls"}),
 }
 
 # values.schema.json definition name -> settings model.

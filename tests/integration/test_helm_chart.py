@@ -245,10 +245,15 @@ def settings_models() -> dict[str, Any]:
 
 @functools.lru_cache(maxsize=1)
 def settings_env_names() -> frozenset[str]:
+    from services.registry.signing import SECRET_ENV, SECRET_FILE_ENV
+    from services.security.apikeys import ENV_VAR as API_KEYS_ENV
     from services.settings import env_name
 
-    return frozenset(env_name(model, field) for model in settings_models().values()
-                     for field in model.model_fields)
+    # Besides the settings models: the variables the code reads itself (the cluster
+    # secret, read where records are signed; extra API keys).
+    read_directly = {SECRET_ENV, SECRET_FILE_ENV, API_KEYS_ENV}
+    return frozenset({env_name(model, field) for model in settings_models().values()
+                      for field in model.model_fields} | read_directly)
 
 
 @functools.lru_cache(maxsize=1)
@@ -1066,7 +1071,9 @@ def test_compose_stack(monkeypatch: pytest.MonkeyPatch) -> None:
         assert service["command"] == [role]
         assert service["user"].split(":")[0] != "0" and service["read_only"] is True
         redis_url = settings["RouterConfig" if role == "router" else "WorkerConfig"].redis_url
-        assert redis_url == "redis://redis:6379/0"
+        # The password, if any, comes from the environment, never the file itself.
+        assert re.fullmatch(r"redis://(:\$\{PDSERVE_REDIS_PASSWORD[^}]*\}@)?redis:6379/0",
+                            redis_url), redis_url
         check = service["healthcheck"]["test"]
         assert check[:3] == ["CMD", "python", "-c"] and check[-1] == names[role]
         compile(check[3], "healthcheck", "exec")
