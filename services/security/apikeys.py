@@ -66,6 +66,12 @@ def authenticated_client() -> str | None:
     return CURRENT_CLIENT.get()
 
 
+def client_id(claimed: str) -> str:
+    """The client a request counts against: the one its API key names on a server with
+    keys; otherwise what the caller claims (`x-client-id`), which is all there is."""
+    return CURRENT_CLIENT.get() or claimed
+
+
 class ApiKeyError(ValueError):
     """An API-key source that does not parse; the message names the source and line."""
 
