@@ -37,6 +37,7 @@ import json
 import math
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -145,6 +146,11 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         migrations = await router_migrations(stack)
     finally:
         await stack.close()
+    # The raw material first: an analysis that fails can be redone from it.
+    (out / "raw.json").write_text(json.dumps({
+        "t0": t0, "records": [r.to_dict() for r in result.records],
+        "tokens": {i: asdict(t) for i, t in runner.tokens.items()},
+        "events": [e.to_dict() for e in events]}, default=str))
     summary = summarize_chaos(result.records, runner.tokens, reference, events)
     plot = timeline_plot(result.records, runner.tokens, events, t0, args.plot)
     gap = summary["longest_gap"]["gap_s"] if summary["longest_gap"] else 0.0
@@ -218,7 +224,10 @@ async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
 
         async def keep_sampling() -> None:
             while True:
-                samples.append(await sample(stack))
+                try:
+                    samples.append(await sample(stack))
+                except Exception as e:  # one bad sample must not end the sampling
+                    print(f"sample failed: {type(e).__name__}: {e}", file=sys.stderr)
                 await asyncio.sleep(args.sample_s)
 
         sampler = asyncio.create_task(keep_sampling())
@@ -239,6 +248,9 @@ async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     finally:
         await stack.close()
     cols = series(samples)
+    (out / "raw.json").write_text(json.dumps({
+        "t0": t0, "load_end": load_end, "series": cols,
+        "records": [r.to_dict() for r in result.records]}, default=str))
     last = samples[-1]
     report = {
         "capacity_req_s": measured, "rate": rate, "minutes": args.minutes,
