@@ -127,3 +127,25 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert "already there" in capsys.readouterr().out
     assert certs.main(["init", str(tmp_path), "--days", "0"]) == 1
     assert "--days must be at least 1" in capsys.readouterr().err
+
+
+def test_a_stack_gets_its_own_ca_and_removes_it() -> None:
+    from services.api.server import ServerConfig
+    from services.security.policy import internal_tls
+    from services.security.stack import StackCertificates, has_internal_tls
+    from services.security.tls import load
+
+    stack = StackCertificates()
+    try:
+        assert stat.S_IMODE(stack.directory.stat().st_mode) == 0o700
+        for role in ("router", "prefill", "decode"):
+            server = ServerConfig().model_copy(update=stack.settings(role))
+            assert has_internal_tls(server)
+            files = internal_tls(server)
+            assert files is not None and files.cert is not None
+            assert files.cert.name == f"{role}.crt"
+            load(files, need_ca=True, need_cert=True)
+        assert not has_internal_tls(ServerConfig())
+    finally:
+        stack.close()
+    assert not stack.directory.exists()
