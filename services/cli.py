@@ -352,6 +352,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_certs_parser(sub)
 
+    from services.observability.top import add_parser as add_top
+
+    add_top(sub)
+
     try:
         from services.bench.cli import add_parser as add_bench
     except ImportError:  # pragma: no cover

@@ -76,6 +76,8 @@ class GenerationRequest:
     timeout_s: float | None = None  # what is left of the client's deadline, if it set one
     client_id: str = ""  # who sent it (API key name or x-client-id), for per-client limits
     client_request_id: str = ""  # the client's own `request_id`, echoed, never acted on
+    # The client's W3C trace context (traceparent, tracestate) when tracing is on.
+    trace_headers: tuple[tuple[str, str], ...] = ()
 
     def continued(self, generated: list[int]) -> GenerationRequest:
         """The same request resumed after `generated` tokens (a migration): those tokens

@@ -20,6 +20,7 @@ import socket
 import time
 import uuid
 from collections.abc import AsyncGenerator, Awaitable, Generator
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import uvicorn
@@ -48,6 +49,7 @@ from services.errors import (
     http_status,
 )
 from services.messages import Delta, GenerationRequest
+from services.observability import tracing
 from services.security.apikeys import client_id
 from services.security.http_auth import ApiKeyMiddleware
 from services.security.policy import PublicAuth
@@ -201,6 +203,8 @@ class OpenAIFront:
                       else completion_request(body, request_id))
             req = prepare(public, self.limits, self.backend.tokenizer, request_timeout(request),
                           client_id(request.headers.get("x-client-id", "")))
+            if tracing.enabled():  # the client's traceparent header: its trace continues
+                req = replace(req, trace_headers=tracing.carried(request.headers.items()))
         except PdserveError as e:
             return error_response(e, chat)
         answer = Answer(chat=chat, request_id=request_id, model=self.limits.served_model,

@@ -51,6 +51,13 @@ class ServerConfig(BaseSettings):
         MAX_MESSAGE_BYTES, ge=4 << 20, description="largest gRPC message accepted or sent"
     )
     grace_s: float = Field(10.0, ge=0, description="seconds running streams get on shutdown")
+    otlp_traces_endpoint: str = Field(
+        "", description="OpenTelemetry traces over OTLP/gRPC to this collector (empty: "
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off); host:port is plaintext on loopback, "
+        "TLS elsewhere (docs/observability.md)")
+    otlp_sampling_ratio: float | None = Field(
+        None, ge=0.0, le=1.0, description="share of new traces sampled, 0..1 (a client's "
+        "sampled traceparent is always followed); unset: OTEL_TRACES_SAMPLER, else 1")
     http_port: int = Field(
         0, ge=0, le=65535, description="OpenAI-compatible HTTP API port (0 = off)"
     )

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -18,6 +19,7 @@ from services import wire
 from services.api.backend import Backend
 from services.api.prepare import limits_of, prepare
 from services.errors import RETRY_AFTER_KEY, InvalidRequest, grpc_status, retry_after_ms
+from services.observability import tracing
 from services.security.apikeys import client_id
 
 log = logging.getLogger(__name__)
@@ -58,6 +60,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             req = prepare(request, self.limits, self.backend.tokenizer,
                           context.time_remaining(),
                           client_id(str(metadata.get("x-client-id", ""))))
+            if tracing.enabled():  # the client's traceparent: its trace continues here
+                req = replace(req, trace_headers=tracing.carried(metadata.items()))
         except Exception as e:
             await abort_with(context, e)
         completion_tokens = 0

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
@@ -39,9 +40,10 @@ class RouterSpan(SpanHandle):
     def admitted(self, inflight: int) -> None:
         self.event("admitted", {Attr.INFLIGHT: inflight})
 
-    def rejected(self, reason: str, message: str) -> None:
+    def rejected(self, message: str) -> None:
+        """Refused at admission (in-flight bound, client limit, capacity): why."""
         if self:
-            self.set({Attr.REJECTION: reason})
+            self.set({Attr.REJECTION: message[:300]})
             self.fail(message, "RESOURCE_EXHAUSTED")
 
     def pair(self, attempt: int, prefill_worker: str | None, decode_worker: str,
@@ -57,20 +59,18 @@ class RouterSpan(SpanHandle):
         self.set(attrs)
         self.event("pair_chosen", attrs)
 
-    def retry(self, attempt: int, worker: str, role: str, error: str) -> None:
-        """The request is routed again: `worker` failed before the first token."""
-        self.event("retry", {"pdserve.retry.attempt": attempt, "pdserve.retry.worker": worker,
-                             "pdserve.retry.role": role, "pdserve.retry.error": error[:300]})
-
-    def migration(self, number: int, from_worker: str, to_worker: str, reason: str,
-                  tokens_so_far: int) -> None:
-        """The stream moved to another worker after tokens had reached the client."""
-        if self:
-            self.set({Attr.MIGRATIONS: number})
-            self.event("migration", {"pdserve.migration.from_worker": from_worker,
-                                     "pdserve.migration.to_worker": to_worker,
-                                     "pdserve.migration.reason": reason,
-                                     "pdserve.migration.tokens_so_far": tokens_so_far})
+    def moved(self, number: int, worker: str, role: str, reason: str, tokens_so_far: int,
+              error: str) -> None:
+        """`worker` failed and the request goes to another one (the next `pair_chosen`
+        event says which): a `retry` event when no token had reached the client yet, a
+        `migration` event when the stream continues mid-answer."""
+        if not self:
+            return
+        self.set({Attr.MIGRATIONS: number})
+        self.event("migration" if tokens_so_far else "retry", {
+            "pdserve.move.number": number, "pdserve.move.worker": worker,
+            "pdserve.move.role": role, "pdserve.move.reason": reason,
+            "pdserve.move.tokens_so_far": tokens_so_far, "pdserve.move.error": error[:300]})
 
     def first_token(self, ttft_s: float) -> None:
         if self:
@@ -227,3 +227,31 @@ def record_kv_transfer(parent: Context | None, facts: TransferFacts,
         span.set({Attr.KV_ERROR: facts.error[:300]})
         span.fail(facts.error or "KV transfer failed", "KV_TRANSFER_FAILED")
     span.end(wall=facts.last_byte_wall or start)
+
+
+def finish_decode(span: DecodeSpan, parent: Context | None, report: Mapping[str, Any] | None,
+                  timings: Any, transfer: tuple[str, str, str, str], received_wall: float,
+                  first_step_wall: float, steps: int, tokens: int,
+                  finish_reason: str | None) -> None:
+    """The decode worker's end of a request: its span's figures, and the KV transfer's
+    own span from the connector's load `report` (None: nothing was received).
+    `timings` is the `Timings` the worker answers with; `transfer` is (transfer id,
+    transport, prefill worker, decode worker)."""
+    if not span:
+        return
+    kv_wait = 0.0
+    if report is not None:
+        ok = bool(report.get("ok"))
+        first, last = float(report.get("first_byte_wall", 0.0)), float(
+            report.get("last_byte_wall", 0.0))
+        if ok:  # the request could not start before its KV was complete
+            kv_wait = max(0.0, last - received_wall)
+        transfer_id, transport, sender, receiver = transfer
+        record_kv_transfer(parent, TransferFacts(
+            transfer_id, transport, ok, int(report.get("bytes", 0)), first, last,
+            timings.kv_transfer_hidden_s, sender, receiver, str(report.get("error", "")),
+            chunks=report.get("chunks"), checksum_s=report.get("checksum_s"),
+            staged_s=max(0.0, first_step_wall - last) if ok and first_step_wall else None),
+            fallback_wall=received_wall)
+    span.done(timings.decode_queue_s or timings.queue_s, kv_wait, steps, tokens,
+              finish_reason, timings.decode_s)

@@ -26,7 +26,7 @@ import math
 import os
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
 from opentelemetry.context import Context
@@ -132,6 +132,24 @@ def setup_tracing(service_name: str, endpoint: str | None = None, ratio: float |
     return True
 
 
+def setup_from(settings: Any, service_name: str, instance_id: str = "") -> bool:
+    """`setup_tracing` from a settings model's `otlp_traces_endpoint` and
+    `otlp_sampling_ratio` (ServerConfig: every serving process has them)."""
+    return setup_tracing(service_name, settings.otlp_traces_endpoint or None,
+                         settings.otlp_sampling_ratio, instance_id=instance_id)
+
+
+def settings_env(settings: Any) -> dict[str, str]:
+    """The tracing settings as PDSERVE_* variables, for child processes (the OTEL_*
+    variables are inherited with the environment anyway)."""
+    env = {}
+    if settings.otlp_traces_endpoint:
+        env["PDSERVE_OTLP_TRACES_ENDPOINT"] = str(settings.otlp_traces_endpoint)
+    if settings.otlp_sampling_ratio is not None:
+        env["PDSERVE_OTLP_SAMPLING_RATIO"] = str(settings.otlp_sampling_ratio)
+    return env
+
+
 def force_flush(timeout_s: float = 5.0) -> bool:
     """Export what is buffered now (before a process exits, or in tests)."""
     return True if _state is None else _state.provider.force_flush(int(timeout_s * 1000))
@@ -153,6 +171,14 @@ def trace_headers(pairs: Iterable[tuple[str, str | bytes]] | None) -> dict[str, 
         if key in TRACE_KEYS and isinstance(value, str):
             out[key] = value
     return out
+
+
+def carried(pairs: Iterable[tuple[str, str | bytes]] | None) -> tuple[tuple[str, str], ...]:
+    """The caller's W3C headers to keep with a request (`GenerationRequest.trace_headers`),
+    from gRPC metadata or HTTP headers' items; () when tracing is off."""
+    if _state is None:
+        return ()
+    return tuple(trace_headers((k.lower(), v) for k, v in pairs or ()).items())
 
 
 def extract_grpc(metadata: Iterable[tuple[str, str | bytes]] | None) -> Context | None:

@@ -24,6 +24,7 @@ from services.api.server import ServerConfig, generation_service, serve
 from services.engine.config import EngineConfig, split_cores
 from services.engine.model import resolve_model
 from services.launcher.up import LauncherConfig
+from services.observability import tracing
 from services.router.config import RouterConfig
 from services.router.orchestrator import check_pair
 from services.router.router import RouterBackend
@@ -168,7 +169,8 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
     model_path = resolve_model(engine_cfg.model, engine_cfg.resolved_dtype())
     prefill_cores, decode_cores = split_cores(placement.prefill_cores, placement.decode_cores)
     base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg),
-                            **internal_tls_env(server_cfg)}
+                            **internal_tls_env(server_cfg), **tracing.settings_env(server_cfg)}
+    tracing.setup_from(server_cfg, "pdserve-router", "local")
     use_internal_tls(internal_tls(server_cfg))  # the pair is dialled with it
     workers = [
         LocalWorker(role, getattr(ports, f"{role}_port") or free_port(),
@@ -193,3 +195,4 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
             await backend.close()
         for w in workers:
             w.stop()
+        tracing.shutdown_tracing()

@@ -112,17 +112,20 @@ def _failure(role: str, peer: Peer, e: grpc.aio.AioRpcError, streamed: int) -> E
 
 async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
                    target: wpb.KVTarget, fault: str = "",
-                   liveness: Liveness = Liveness()) -> AsyncIterator[Delta]:
+                   liveness: Liveness = Liveness(),
+                   metadata: tuple[tuple[str, str], ...] | None = None
+                   ) -> AsyncIterator[Delta]:
     """One request: prefill (token 1, KV shipped to `target`), then decode (tokens 2..n).
     Without a prefill worker the decode worker prefills the prompt itself. The last
-    delta is finished and carries both phases' timings."""
+    delta is finished and carries both phases' timings. `metadata` goes with both calls
+    (the trace context, so the workers' spans join the caller's trace)."""
     timeout = req.timeout_s
     s = req.sampling
     if prefill is None:
         call = wpb_grpc.DecodeServiceStub(decode.channel).Decode(wpb.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens), fault=fault),
-            timeout=timeout)
+            timeout=timeout, metadata=metadata)
         async for delta in _stream_decode(call, decode, None, 0, 0, liveness):
             yield delta
         return
@@ -130,7 +133,8 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
     call1 = wpb_grpc.PrefillServiceStub(prefill.channel).Prefill(wpb.PrefillRequest(
         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
         sampling=wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens),
-        transfer_id=uuid.uuid4().hex, fault=fault, target=target), timeout=timeout)
+        transfer_id=uuid.uuid4().hex, fault=fault, target=target), timeout=timeout,
+        metadata=metadata)
     dog = Watchdog(call1, "prefill", prefill, liveness)
     try:
         first = await call1
@@ -158,7 +162,8 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
         request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
         first_token_id=first.first_token_id,
         sampling=wire.sampling_pb(s, rest.max_tokens, rest.min_tokens), handle=first.handle,
-        fault=fault), timeout=None if timeout is None else max(0.1, timeout))
+        fault=fault), timeout=None if timeout is None else max(0.1, timeout),
+        metadata=metadata)
     async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1,
                                       liveness):
         yield delta

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import asdict
 from typing import TYPE_CHECKING
 
 import grpc
@@ -25,6 +26,9 @@ from pdserve.v1 import worker_pb2 as wpb
 from services.engine.engine import ModelFacts
 from services.errors import Overloaded, Unavailable, WorkerFailure
 from services.messages import Delta, GenerationRequest
+from services.observability import tracing
+from services.observability.request_spans import NULL_ROUTER, RouterSpan, router_span
+from services.observability.spans import error_type
 from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
 from services.router.config import RouterConfig
@@ -217,9 +221,22 @@ class RouterBackend:
         the client already has, with the budget that is left, so the client sees one
         unbroken stream. Greedy output is the same as without the failure."""
         started = time.monotonic()
-        lease = await self._admit(req)
+        span = router_span(req.request_id, len(req.prompt_token_ids), req.max_tokens,
+                           self._facts.name if self._facts else "",
+                           tracing.extract_grpc(req.trace_headers), req.sampling.temperature,
+                           req.sampling.top_p)
+        try:
+            lease = await self._admit(req)
+        except Exception as e:
+            if isinstance(e, Overloaded):
+                span.rejected(e.message)
+            else:
+                span.fail(e, error_type(e))
+            span.end()
+            raise
         self.inflight += 1
         INFLIGHT.set(self.inflight)
+        span.admitted(self.inflight)
         hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
         streamed: list[int] = []  # every token the client has received
         moves = 0
@@ -227,12 +244,19 @@ class RouterBackend:
         try:
             while True:
                 choice = await self._choose(leg, hashes if not streamed else [])
+                span.pair(moves, choice.prefill.worker_id if choice.prefill else None,
+                          choice.decode.worker_id, choice.reason)
                 PAIR_CHOICES.labels(choice.reason).inc()
                 DISAGG.labels("remote" if choice.prefill else "local").inc()
                 try:
-                    async for delta in self._run(leg, choice, hashes, started):
+                    async for delta in self._run(leg, choice, hashes, started, span):
                         if delta.finished:
                             delta.migrations = moves
+                            if span:
+                                span.finish(delta.finish_reason,
+                                            len(streamed) + len(delta.token_ids),
+                                            asdict(delta.timings), time.monotonic() - started,
+                                            delta.num_cached_tokens)
                         streamed += delta.token_ids
                         yield delta
                     return
@@ -243,6 +267,7 @@ class RouterBackend:
                     moves += 1
                     reason = f"{e.role}_{'mid_stream' if streamed else 'before_first_token'}"
                     MIGRATIONS.labels(reason).inc()
+                    span.moved(moves, e.worker_id, e.role, reason, len(streamed), e.message)
                     log.warning("moving %s after %d tokens (%s): %s", req.request_id,
                                 len(streamed), reason, e.message)
                     leg = req.continued(streamed)
@@ -250,7 +275,12 @@ class RouterBackend:
                         done.migrations = moves
                         yield done
                         return
+        except BaseException as e:
+            if not isinstance(e, GeneratorExit):  # GeneratorExit: the client went away
+                span.fail(e, error_type(e))
+            raise
         finally:
+            span.end()
             self.inflight -= 1
             INFLIGHT.set(self.inflight)
             E2E.observe(time.monotonic() - started)
@@ -270,7 +300,7 @@ class RouterBackend:
         return None
 
     async def _run(self, req: GenerationRequest, choice: Choice, hashes: list[str],
-                   started: float) -> AsyncIterator[Delta]:
+                   started: float, span: RouterSpan = NULL_ROUTER) -> AsyncIterator[Delta]:
         p, d = choice.prefill, choice.decode
         tokens = len(req.prompt_token_ids)
         loaded = p or d
@@ -287,10 +317,13 @@ class RouterBackend:
         first = True
         try:
             async for delta in run_pair(req, self.peer(p) if p else None, self.peer(d),
-                                        target, self.fault, self.liveness):
+                                        target, self.fault, self.liveness,
+                                        span.grpc_metadata()):
                 if first:
                     first = False
-                    TTFT.observe(time.monotonic() - started)
+                    ttft = time.monotonic() - started
+                    TTFT.observe(ttft, exemplar=span.exemplar())
+                    span.first_token(ttft)
                     if p is not None and hashes:
                         with contextlib.suppress(Exception):
                             await self.view.record_prefix(p.worker_id, hashes)

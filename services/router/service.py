@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 from services.api.server import ServerConfig, generation_service, serve
 from services.engine.model import resolve_model
+from services.observability import tracing
 from services.registry.registry import Registry
 from services.router.config import RouterConfig
 from services.router.router import RouterBackend
@@ -26,6 +27,7 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
         raise ValueError("the router needs --redis-url (or PDSERVE_REDIS_URL): workers "
                          "register there")
     use_internal_tls(internal_tls(server_cfg))  # before the first worker is dialled
+    tracing.setup_from(server_cfg, "pdserve-router")
     model_path = resolve_model(config.router_model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
     registry = Registry.from_url(config.redis_url)
@@ -40,3 +42,4 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     finally:
         await backend.close()
         await registry.close()
+        tracing.shutdown_tracing()  # the last spans are exported before the process ends

@@ -6,6 +6,7 @@ request migrated here mid-answer."""
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -23,6 +24,9 @@ from services.engine.outputs import delta_of_output, vllm_params
 from services.errors import Aborted, IncompatiblePair, Unavailable
 from services.kv.params import LOAD_KEY, check_fault, recv_params
 from services.messages import Delta, Timings
+from services.observability import tracing
+from services.observability.request_spans import decode_span, finish_decode
+from services.observability.spans import error_type
 from services.worker import checks
 from services.worker.worker import Worker
 
@@ -86,16 +90,26 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
 
     async def Decode(self, req: wpb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.GenerateResponse]:
+        received_wall, first_step_wall, steps, tokens = time.time(), 0.0, 0, 0
+        me = self.worker.identity
+        parent = tracing.extract_grpc(context.invocation_metadata())
+        span = decode_span(req.request_id, len(req.prompt_token_ids), me.worker_id, me.epoch,
+                           parent, local_prefill=not req.HasField("handle"))
         try:
             ids = self._prompt(req)
             sampling, max_tokens = checks.check_sampling(req.sampling, self.limits, len(ids))
             params = vllm_params(sampling, max_tokens, extra_args=self._kv_params(req))
         except Exception as e:
+            span.fail(e, error_type(e))
+            span.end()
             await abort_with(context, e)
         stream = self.worker.engine.generate(ids, params, req.request_id)
         try:
             async for out in stream:
+                steps += 1
+                first_step_wall = first_step_wall or time.time()
                 delta = delta_of_output(out)
+                tokens += len(delta.token_ids)
                 if delta.token_ids or delta.text:
                     yield wire.chunk_pb(delta)
                 if not delta.finished:
@@ -104,13 +118,28 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                     raise Unavailable("the prompt's KV transfer failed and the KV load failure "
                                       "policy is 'fail'; retry the request")
                 delta.timings = self._timings(delta, out, req)
+                if span:
+                    h = req.handle
+                    finish_decode(span, parent, self._report(out) if req.HasField("handle")
+                                  else None, delta.timings,
+                                  (h.transfer_id, self.worker.config.kv_transport,
+                                   h.prefill_worker_id, me.worker_id), received_wall,
+                                  first_step_wall, steps, tokens, delta.finish_reason)
                 yield wire.final_pb(delta)
                 return
             raise Aborted("the request was aborted by the server")
         except Exception as e:
+            span.fail(e, error_type(e))
             await abort_with(context, e)
         finally:
+            span.end()
             await stream.aclose()  # type: ignore[attr-defined]
+
+    @staticmethod
+    def _report(out: Any) -> dict[str, Any] | None:
+        """The connector's report on this request's KV load (None: nothing loaded)."""
+        report = (getattr(out, "kv_transfer_params", None) or {}).get(LOAD_KEY)
+        return report if isinstance(report, dict) else None
 
     def _timings(self, delta: Delta, out: Any, req: wpb.DecodeRequest) -> Timings:
         t = delta.timings
@@ -118,7 +147,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             timings = Timings(queue_s=t.queue_s, prefill_s=t.prefill_s, decode_s=t.decode_s)
         else:
             timings = Timings(decode_queue_s=t.queue_s, decode_s=t.prefill_s + t.decode_s)
-        report = (getattr(out, "kv_transfer_params", None) or {}).get(LOAD_KEY)
+        report = self._report(out)
         if report is None:
             return timings
         if not report["ok"]:

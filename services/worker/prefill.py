@@ -19,6 +19,9 @@ from services.engine.outputs import delta_of_output, vllm_params
 from services.errors import Aborted, InvalidRequest
 from services.kv.params import check_fault, send_params
 from services.messages import Sampling
+from services.observability import tracing
+from services.observability.request_spans import NULL_PREFILL, PrefillSpan, prefill_span
+from services.observability.spans import error_type
 from services.worker import checks
 from services.worker.worker import Worker
 
@@ -46,17 +49,23 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
 
     async def Prefill(self, req: wpb.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> wpb.PrefillResponse:
+        me = self.worker.identity
+        span = prefill_span(req.request_id, len(req.prompt_token_ids), me.worker_id, me.epoch,
+                            tracing.extract_grpc(context.invocation_metadata()))
         try:
             self._check(req)
             sampling, _ = checks.check_sampling(req.sampling, self.limits,
                                                 len(req.prompt_token_ids))
-            return await self._prefill(req, sampling)
+            return await self._prefill(req, sampling, span)
         except Exception as e:
+            span.fail(e, error_type(e))
             await abort_with(context, e)
             raise  # not reached: abort raises
+        finally:
+            span.end()
 
-    async def _prefill(self, req: wpb.PrefillRequest, sampling: Sampling
-                       ) -> wpb.PrefillResponse:
+    async def _prefill(self, req: wpb.PrefillRequest, sampling: Sampling,
+                       span: PrefillSpan = NULL_PREFILL) -> wpb.PrefillResponse:
         t = req.target
         kv_params = send_params(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
                                 t.fingerprint_digest, req.fault)
@@ -70,6 +79,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         if last is None or not last.outputs[0].token_ids:
             raise Aborted("prefill was aborted")
         delta = delta_of_output(last)
+        span.done(delta.timings.queue_s, delta.timings.prefill_s, delta.num_cached_tokens,
+                  done_wall, start_wall)
         return wpb.PrefillResponse(
             first_token_id=delta.token_ids[0], first_token_text=delta.text,
             # "length" here only means max_tokens=1 was reached; "stop" ends the answer.

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from services.api.server import Bound, ServerConfig, Service, serve
 from services.engine.config import EngineConfig
 from services.errors import EngineDead
+from services.observability import tracing
 from services.registry.heartbeat import heartbeat_forever
 from services.registry.registry import Registry
 from services.rpc import local_host, use_internal_tls
@@ -46,6 +47,7 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
     # Before the engine starts: its KV connector takes the internal TLS files from here.
     use_internal_tls(internal_tls(server_cfg))
     worker = Worker.start(role, engine_cfg, config)
+    tracing.setup_from(server_cfg, f"pdserve-{role}", worker.identity.worker_id)
     # A prefill worker also answers Decode for whole requests (no transfer handle): with
     # the decode pool gone, the router sends it whole requests instead of refusing them.
     services: list[Service] = ([prefill_service(worker), decode_service(worker)]
@@ -76,5 +78,6 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
                 await registry.deregister(worker.identity.worker_id)
             await registry.close()
         worker.engine.shutdown()
+        tracing.shutdown_tracing()  # the last spans are exported before the process ends
     if died.is_set():
         raise EngineDead(f"the engine of {worker.identity.worker_id} died")

@@ -45,10 +45,11 @@ def test_router_span_admission_pair_retry_migration_and_usage(
     span = router_span("req-7", 300, 16, "SmolLM2", None, temperature=0.0, top_p=1.0)
     span.admitted(3)
     span.pair(0, "prefill-a", "decode-a", "prefix")
-    span.retry(0, "prefill-a", "prefill", "prefill worker prefill-a failed: UNAVAILABLE")
+    span.moved(1, "prefill-a", "prefill", "prefill_before_first_token", 0,
+               "prefill worker prefill-a failed: UNAVAILABLE")
     span.pair(1, None, "decode-a", "local_short")
     span.first_token(0.25)
-    span.migration(1, "decode-a", "decode-b", "stream_reset", 9)
+    span.moved(2, "decode-a", "decode", "decode_mid_stream", 9, "stream reset")
     span.finish("length", 16, {"queue_s": 0.01, "prefill_s": 0.2, "decode_s": 1.5,
                                "kv_transfer_s": 0.03}, 1.8, cached_tokens=64)
     span.end()
@@ -67,13 +68,15 @@ def test_router_span_admission_pair_retry_migration_and_usage(
     # The last pair wins as attributes; every choice stays as an event.
     assert a["pdserve.route.prefill_worker"] == "" and a["pdserve.route.disaggregated"] is False
     assert a["pdserve.route.reason"] == "local_short" and a["pdserve.route.attempts"] == 2
-    assert a["pdserve.route.migrations"] == 1
+    assert a["pdserve.route.migrations"] == 2
     names = [e.name for e in s.events]
     assert names == ["admitted", "pair_chosen", "retry", "pair_chosen", "first_token",
                      "migration"]
-    migration = dict(s.events[-1].attributes or {})
-    assert migration["pdserve.migration.tokens_so_far"] == 9
-    assert migration["pdserve.migration.to_worker"] == "decode-b"
+    retry, migration = dict(s.events[2].attributes or {}), dict(s.events[-1].attributes or {})
+    assert retry["pdserve.move.role"] == "prefill" and retry["pdserve.move.tokens_so_far"] == 0
+    assert migration["pdserve.move.tokens_so_far"] == 9
+    assert migration["pdserve.move.worker"] == "decode-a"
+    assert migration["pdserve.move.reason"] == "decode_mid_stream"
     assert s.status.status_code == StatusCode.UNSET
 
 
@@ -105,10 +108,10 @@ def test_exemplar_names_the_trace_for_latency_histograms(spans: InMemorySpanExpo
 
 def test_rejection_is_recorded_with_its_reason(spans: InMemorySpanExporter) -> None:
     span = router_span("r", 5, 4, "m", None)
-    span.rejected("client_limit", "client 'a' has 2 requests in flight")
+    span.rejected("client 'a' has 2 requests in flight; retry in 500 ms")
     span.end()
     a = attrs(one(spans, "pdserve.router"))
-    assert a["pdserve.router.rejection"] == "client_limit"
+    assert a["pdserve.router.rejection"].startswith("client 'a' has 2")
     assert a["error.type"] == "RESOURCE_EXHAUSTED"
 
 
