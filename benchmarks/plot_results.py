@@ -83,6 +83,24 @@ def router(data: dict[str, Any], out: Path) -> None:
     fig.savefig(out / "router_overhead.png", dpi=120)
 
 
+def security_overhead(data: dict[str, Any], out: Path) -> None:
+    """The router with each security mode: added TTFT (p50) and capacity per core."""
+    modes = [m for m in data if m != "ratios"]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.2))
+    added = [data[m]["latency"]["ttft_added_p50_ms"] for m in modes]
+    axes[0].bar(modes, added, color="tab:blue")
+    axes[0].set_ylabel("TTFT added by the router, p50 (ms)")
+    base = data[modes[0]]["capacity_short"]["requests_per_router_core_s"]
+    per_core = [data[m]["capacity_short"]["requests_per_router_core_s"] / base for m in modes]
+    axes[1].bar(modes, per_core, color="tab:orange")
+    axes[1].axhline(1.0, color="grey", lw=0.8, ls="--")
+    axes[1].set_ylabel(f"routed requests/s per core, vs {modes[0]}")
+    fig.suptitle("Router with API keys, TLS, and mTLS to the workers (simulated workers)",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out / "security_overhead.png", dpi=120)
+
+
 def stack_overhead(data: dict[str, Any], out: Path) -> None:
     """TTFT and TPOT of each pdserve front, relative to plain vLLM, per prompt length."""
     med = data["median"]
@@ -171,7 +189,8 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     for name, plot in (("api_overhead", api_overhead), ("kv_transport", kv_transport),
                        ("disagg_ttft", disagg_ttft), ("router_overhead", router),
-                       ("headline", headline), ("stack_overhead", stack_overhead)):
+                       ("headline", headline), ("stack_overhead", stack_overhead),
+                       ("security_overhead", security_overhead)):
         data = load(results, name)
         if data is None:
             print(f"skipped {name}: no {results}/{name}.json")
