@@ -9,6 +9,13 @@ CPU counted). Reported as CPU time per request, next to the router's own per-req
 cost (BENCHMARKS.md, router overhead).
 
     python benchmarks/tracing_overhead.py micro --json bench-results/tracing_micro.json
+
+`router`: benchmarks/router_overhead.py (the real `pdserve router`, one core, over
+simulated workers registered in a real redis-server) run alternately with tracing off
+and with every request traced to a real OTLP receiver (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`,
+sampling ratio 1), the same commands, in one run; medians of the repeats, and on/off.
+
+    python benchmarks/tracing_overhead.py router --json bench-results/tracing_router.json
 """
 
 from __future__ import annotations
@@ -130,6 +137,47 @@ def micro(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def router(args: argparse.Namespace) -> dict[str, Any]:
+    """benchmarks/router_overhead.py (the real router over simulated workers in a real
+    redis-server), run alternately with tracing off and on, in this one run."""
+    import subprocess
+
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Queue(), ctx.Event()
+    proc = ctx.Process(target=receiver_process, args=(ready, stop), daemon=True)
+    proc.start()
+    endpoint = ready.get(timeout=60)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    runs: dict[str, list[dict[str, Any]]] = {"off": [], "on": []}
+    for i in range(args.repeats):
+        for mode in ("off", "on"):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
+            if mode == "on":
+                env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint
+            path = out / f"router-{mode}-{i}.json"
+            subprocess.run([sys.executable, str(ROOT / "benchmarks" / "router_overhead.py"),
+                            "--rounds", str(args.rounds), "--seconds", str(args.seconds),
+                            "--json", str(path)], env=env, check=True,
+                           stdout=subprocess.DEVNULL)
+            runs[mode].append(json.loads(path.read_text()))
+    stop.set()
+    received = ready.get(timeout=60)
+    proc.join(10)
+
+    def med(mode: str, part: str, key: str) -> float:
+        return float(statistics.median(r[part][key] for r in runs[mode]))
+
+    figures = [("latency", "ttft_added_p50_ms"), ("latency", "ttft_added_p99_ms"),
+               ("latency", "e2e_added_p50_ms"), ("capacity_short", "requests_per_router_core_s"),
+               ("capacity_stream", "tokens_per_router_core_s")]
+    result: dict[str, Any] = {"repeats": args.repeats, "spans_received": received}
+    for part, key in figures:
+        off, on = med("off", part, key), med("on", part, key)
+        result[key] = {"off": off, "on": on, "on_over_off": on / off if off else None}
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -139,8 +187,14 @@ def main() -> None:
     m.add_argument("--rounds", type=int, default=5, help="interleaved rounds")
     m.add_argument("--tokens", type=int, default=16, help="tokens per request")
     m.add_argument("--json", default="", help="write the summary here as JSON")
+    r = sub.add_parser("router", help="the router benchmark, tracing off vs on")
+    r.add_argument("--repeats", type=int, default=2, help="off/on pairs")
+    r.add_argument("--rounds", type=int, default=200, help="latency: measured requests")
+    r.add_argument("--seconds", type=float, default=8.0, help="capacity: run length")
+    r.add_argument("--out", default="bench-results/tracing-router", help="per-run JSON here")
+    r.add_argument("--json", default="", help="write the summary here as JSON")
     args = parser.parse_args()
-    summary = micro(args)
+    summary = micro(args) if args.mode == "micro" else router(args)
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
