@@ -96,10 +96,13 @@ def state_path() -> Path:
     return Path(os.environ.get(STATE_FILE_ENV) or models_dir().parent / "up.json")
 
 
-def write_state(redis_url: str, secret: str) -> Path:
+def write_state(redis_url: str, secret: str, tls_dir: str = "") -> Path:
+    """Record the local stack: its Redis URL (with the password), the cluster secret and
+    the folder of the stack's own certificates (`pdserve certs` layout; "" = none)."""
     path = state_path()
     path.parent.mkdir(parents=True, exist_ok=True)
-    write_private(path, json.dumps({"redis_url": redis_url, "cluster_secret": secret}))
+    write_private(path, json.dumps({"redis_url": redis_url, "cluster_secret": secret,
+                                    "tls_dir": tls_dir}))
     return path
 
 
@@ -107,7 +110,8 @@ def read_state() -> dict[str, str]:
     try:
         state = json.loads(state_path().read_text())
         return {"redis_url": str(state["redis_url"]),
-                "cluster_secret": str(state.get("cluster_secret", ""))}
+                "cluster_secret": str(state.get("cluster_secret", "")),
+                "tls_dir": str(state.get("tls_dir", ""))}
     except (OSError, ValueError, KeyError, TypeError):
         return {}
 

@@ -78,14 +78,14 @@ class LauncherConfig(BaseSettings):
                                      "workers (compute-class, e.g. H100)")
     decode_accelerator: str = Field("", description="GPU: Ray accelerator type for decode "
                                     "workers (bandwidth-class, e.g. H200)")
-    probe_interval_s: float = Field(2.0, gt=0, description="seconds between health probes "
-                                    "of each actor")
-    probe_timeout_s: float = Field(5.0, gt=0, description="a probe unanswered this long is "
-                                   "a miss")
-    probe_failures: int = Field(2, ge=1, description="misses in a row before a hung actor "
-                                "is killed and restarted")
-    start_timeout_s: float = Field(900.0, gt=0, description="an actor not ready this long "
-                                   "after a (re)start is restarted")
+    actor_probe_interval_s: float = Field(2.0, gt=0, description="seconds between health "
+                                          "probes of each actor by the supervisor")
+    actor_probe_timeout_s: float = Field(5.0, gt=0, description="an actor's probe unanswered "
+                                         "this long is a miss")
+    actor_probe_failures: int = Field(2, ge=1, description="misses in a row before a hung "
+                                      "actor is killed and restarted")
+    actor_start_timeout_s: float = Field(900.0, gt=0, description="an actor not ready this "
+                                         "long after a (re)start is restarted")
     stack_tls: bool = Field(True, description="make a CA for this stack at start, so its "
                             "internal channels are mutual TLS (local cluster; ignored when "
                             "--internal-tls-*-file are given)")
@@ -119,8 +119,8 @@ class Supervisor(BaseSupervisor):
                  tls: StackCertificates | None = None) -> None:
         lc = stack.launcher
         self.tls = tls  # this stack's own CA, when it made one
-        super().__init__(ProbeSettings(lc.probe_interval_s, lc.probe_timeout_s,
-                                       lc.probe_failures, lc.start_timeout_s),
+        super().__init__(ProbeSettings(lc.actor_probe_interval_s, lc.actor_probe_timeout_s,
+                                       lc.actor_probe_failures, lc.actor_start_timeout_s),
                          local_cluster=not lc.ray_address)
         self.stack, self.redis_url, self.secret = stack, redis_url, secret
 
@@ -290,9 +290,9 @@ async def run_up(stack: Stack) -> None:
     state = DesiredState(redis, RecordSigner(secret.encode() if secret else None))
     desired = Desired(lc.prefill, lc.decode, lc.routers, stack=uuid.uuid4().hex).updated()
     await state.write(desired)
-    state_file = write_state(redis_url, secret)
-    _init_ray(lc)
     tls = stack_certificates(stack)
+    state_file = write_state(redis_url, secret, str(tls.directory) if tls else "")
+    _init_ray(lc)
     supervisor = Supervisor(stack, redis_url, secret, tls)
     watch = Watch(state, desired, local_redis)
     stop = asyncio.Event()
@@ -304,7 +304,7 @@ async def run_up(stack: Stack) -> None:
         for role in ROLES:
             supervisor.ensure(role, getattr(desired, role))
         supervisor.ensure("router", lc.routers)
-        ready = asyncio.ensure_future(supervisor.wait_ready(lc.start_timeout_s))
+        ready = asyncio.ensure_future(supervisor.wait_ready(lc.actor_start_timeout_s))
         stopping = asyncio.ensure_future(stop.wait())
         await asyncio.wait({ready, stopping}, return_when=asyncio.FIRST_COMPLETED)
         if not ready.done():
