@@ -15,12 +15,12 @@ import argparse
 import asyncio
 import json
 import os
-import re
 import sys
 import time
 from typing import Any
 
 from services.observability.fleet import Fleet, Row, Snapshot
+from services.registry.redis_server import redact
 from services.registry.registry import Registry
 
 DESCRIPTION = ("A live view of a running stack, refreshed every --interval seconds: per worker "
@@ -32,11 +32,6 @@ DESCRIPTION = ("A live view of a running stack, refreshed every --interval secon
                "(docs/observability.md).")
 COLUMNS = ("worker", "role", "host", "epoch", "queue", "running", "KV use", "in tok/s",
            "out tok/s", "KV GB/s", "errors", "migrations", "heartbeat")
-
-
-def redact(url: str) -> str:
-    """A Redis URL without its password, for messages."""
-    return re.sub(r"//[^@/]*@", "//***@", url)
 
 
 def _num(value: float | int | None, digits: int = 0) -> str:

@@ -70,7 +70,7 @@ async def registry(redis: RedisServer) -> Iterator[Registry]:  # type: ignore[mi
 
 
 def top(redis: RedisServer, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.observability.top", "--redis-url",
+    return subprocess.run([sys.executable, "-m", "services.cli", "top", "--redis-url",
                            redis.url, "--interval", "0.2", "--once", *extra],
                           capture_output=True, text=True, timeout=60, env=dict(os.environ))
 
