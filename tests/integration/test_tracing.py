@@ -6,7 +6,10 @@ decode spans as its children, the transfer's bytes equal to what the response re
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
@@ -15,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from services.api.client import PdserveClient
+from services.registry.redis_server import RedisServer
 from tests.helpers.otlp_receiver import OtlpReceiver, Received
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import DisaggStack
@@ -34,13 +38,14 @@ def receiver() -> Iterator[OtlpReceiver]:
 
 
 @pytest.fixture(scope="module")
-async def traced(model_path: Path, session_dir: Path,
-                 receiver: OtlpReceiver) -> AsyncIterator[DisaggStack]:
+async def traced(model_path: Path, session_dir: Path, receiver: OtlpReceiver,
+                 redis: RedisServer) -> AsyncIterator[DisaggStack]:
     """The disaggregated stack the other disagg tests use, with tracing on: the flag on
-    the front, forwarded to both workers; a short export delay so spans arrive fast."""
+    the front, forwarded to both workers; a short export delay so spans arrive fast.
+    Its workers also register in a real redis-server, for `pdserve top`."""
     stack = DisaggStack.create(session_dir / "disagg-traced.log", "grpc")
     stack.server.args += ["--otlp-traces-endpoint", receiver.endpoint,
-                          "--otlp-sampling-ratio", "1"]
+                          "--otlp-sampling-ratio", "1", "--redis-url", redis.url]
     stack.server.env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
     stack.server.start()
     try:
@@ -152,3 +157,27 @@ async def test_http_front_takes_the_clients_traceparent(
     assert routers, "no router span in the client's trace"
     spans = spans_of(receiver, str(routers[0].attributes["gen_ai.request.id"]))
     assert spans["pdserve.router"].parent_span_id == CLIENT_SPAN
+
+
+async def test_top_shows_the_stacks_real_workers(traced: DisaggStack, redis: RedisServer,
+                                                 tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """`pdserve top --once --json` against this stack's real workers (their records in
+    Redis, their vLLM and pdserve metrics), while requests run."""
+    async def load() -> None:
+        for i in range(3):
+            await generate(traced, tokenizer, salt=f"top {i}")
+
+    task = asyncio.create_task(load())
+    out = await asyncio.to_thread(subprocess.run, [
+        sys.executable, "-m", "services.cli", "top", "--redis-url", redis.url, "--once",
+        "--json", "--interval", "2"], capture_output=True, text=True, timeout=120)
+    await task
+    assert out.returncode == 0, out.stderr
+    rows = {r["worker_id"]: r for r in json.loads(out.stdout)["workers"]}
+    assert set(rows) == {"local-prefill", "local-decode"}
+    for worker_id, role in (("local-prefill", "prefill"), ("local-decode", "decode")):
+        row = rows[worker_id]
+        assert row["role"] == role and row["metrics"] is True and row["errors"] == 0
+        assert row["epoch"] >= 1 and row["capacity"] >= 1
+        assert row["prompt_tokens_per_s"] is not None and row["prompt_tokens_per_s"] >= 0
+    assert rows["local-decode"]["kv_gbytes_per_s"] is not None
