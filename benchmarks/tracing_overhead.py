@@ -15,7 +15,8 @@ simulated workers registered in a real redis-server) run alternately with tracin
 and with every request traced to a real OTLP receiver (`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`,
 sampling ratio 1), the same commands, in one run; medians of the repeats, and on/off.
 
-    python benchmarks/tracing_overhead.py router --json bench-results/tracing_router.json
+    python benchmarks/tracing_overhead.py router --json bench-results/tracing_router.json \
+        --plot docs/benchmarks/tracing_overhead.png
 """
 
 from __future__ import annotations
@@ -178,6 +179,29 @@ def router(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def plot(summary: dict[str, Any], path: str) -> None:
+    """on/off of each router figure as bars (1.0 = tracing costs nothing there)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = {"ttft_added_p50_ms": "TTFT added\np50", "ttft_added_p99_ms": "TTFT added\np99",
+              "e2e_added_p50_ms": "E2E added\np50",
+              "requests_per_router_core_s": "requests/s\nper core",
+              "tokens_per_router_core_s": "tokens/s\nper core"}
+    keys = [k for k in labels if isinstance(summary.get(k), dict)]
+    fig, ax = plt.subplots(figsize=(6.4, 3.2))
+    ax.bar(range(len(keys)), [summary[k]["on_over_off"] or 0 for k in keys], 0.6)
+    ax.axhline(1.0, color="black", lw=0.8)
+    ax.set_xticks(range(len(keys)), [labels[k] for k in keys], fontsize=8)
+    ax.set_ylabel("tracing on / off")
+    ax.set_title("Router with every request traced (OTLP/gRPC) vs tracing off")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,8 +217,11 @@ def main() -> None:
     r.add_argument("--seconds", type=float, default=8.0, help="capacity: run length")
     r.add_argument("--out", default="bench-results/tracing-router", help="per-run JSON here")
     r.add_argument("--json", default="", help="write the summary here as JSON")
+    r.add_argument("--plot", default="", help="write a PNG of on/off per figure here")
     args = parser.parse_args()
     summary = micro(args) if args.mode == "micro" else router(args)
+    if args.mode == "router" and args.plot:
+        plot(summary, args.plot)
     print(json.dumps(summary, indent=2))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
