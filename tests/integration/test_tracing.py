@@ -95,8 +95,11 @@ async def test_one_request_is_one_trace_nested_under_the_clients_span(
     kv = spans["pdserve.kv_transfer"].attributes
     assert kv["pdserve.kv.ok"] is True and kv["pdserve.kv.transport"] == "grpc"
     assert kv["pdserve.kv.bytes"] == timings["kv_transfer_bytes"] > 0
-    assert kv["pdserve.kv.hidden_s"] == pytest.approx(timings["kv_transfer_hidden_s"])
-    assert kv["pdserve.kv.duration_s"] == pytest.approx(timings["kv_transfer_s"])
+    # (The client's timings leave out fields that are zero.)
+    assert kv["pdserve.kv.hidden_s"] == pytest.approx(timings.get("kv_transfer_hidden_s", 0.0))
+    assert kv["pdserve.kv.duration_s"] == pytest.approx(timings.get("kv_transfer_s", 0.0))
+    assert kv["pdserve.kv.exposed_s"] == pytest.approx(
+        kv["pdserve.kv.duration_s"] - kv["pdserve.kv.hidden_s"])
     assert kv["pdserve.kv.prefill_worker"] == "local-prefill"
     assert kv["pdserve.kv.decode_worker"] == "local-decode"
     r = router.attributes
@@ -109,10 +112,13 @@ async def test_one_request_is_one_trace_nested_under_the_clients_span(
     assert d["gen_ai.usage.completion_tokens"] == 5  # token 1 came from the prefill worker
     assert d["pdserve.decode.steps"] >= 1 and d["pdserve.decode.local_prefill"] is False
     p = spans["pdserve.prefill"].attributes
-    assert p["gen_ai.latency.time_in_model_prefill"] == pytest.approx(timings["prefill_s"])
-    # The children sit inside the router's span in time.
-    for name in ("pdserve.prefill", "pdserve.decode"):
-        assert router.start_ns <= spans[name].start_ns <= spans[name].end_ns <= router.end_ns
+    assert p["gen_ai.latency.time_in_model_prefill"] == pytest.approx(
+        timings.get("prefill_s", 0.0))
+    # In time, the children start inside the router's span (one machine, one clock); the
+    # prefill span ends before its answer reaches the router.
+    for name in NAMES - {"pdserve.router"}:
+        assert router.start_ns <= spans[name].start_ns <= router.end_ns, name
+    assert spans["pdserve.prefill"].end_ns <= router.end_ns
 
 
 async def test_without_traceparent_a_request_starts_a_new_trace(
