@@ -252,7 +252,8 @@ async def test_bad_transfer_handles_are_recomputed(
     got = await _decode(disagg_grpc, wpb.DecodeRequest(
         request_id=uuid.uuid4().hex, prompt_token_ids=ids, first_token_id=expected[0],
         sampling=pb.SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
-        handle=wpb.TransferHandle(transfer_id=f"never-sent-{bad}", num_tokens=len(ids),
+        handle=wpb.TransferHandle(transfer_id=f"never-sent-{bad.replace(' ', '-')}",
+                                  num_tokens=len(ids),
                                   decode_epoch=epoch)))
     assert got == expected[1:]
     assert scrape(disagg_grpc.decode_metrics)[metric] == before + 1
