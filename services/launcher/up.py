@@ -145,7 +145,10 @@ class Supervisor(BaseSupervisor):
 
     def _args(self, role: str, index: int) -> tuple[Any, ...]:
         s = self.stack
-        server = s.server.model_copy(update={"port": 0, "metrics_port": -1, "http_port": 0})
+        # Only the first router keeps the configured ports (the health-only one included:
+        # several actors of one node would collide on it).
+        server = s.server.model_copy(update={"port": 0, "metrics_port": -1, "http_port": 0,
+                                             "health_port": 0})
         if self.local_cluster:
             # Internal ports of a local stack are for this machine only.
             server = server.model_copy(update={"host": LOOPBACK})
