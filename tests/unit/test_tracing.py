@@ -198,3 +198,14 @@ def test_service_name_variable_wins(monkeypatch: pytest.MonkeyPatch) -> None:
     (span,) = memory.get_finished_spans()
     assert span.resource.attributes["service.name"] == "llm-router"
     assert span.resource.attributes["service.instance.id"] == "r-1"
+
+
+@pytest.mark.parametrize("value", ["garbage", "00-" + "0" * 32 + "-" + "0" * 16 + "-01",
+                                   "ff-" + CLIENT_TRACE + "-00f067aa0ba902b7-01", "x" * 10000])
+def test_a_malformed_traceparent_starts_a_new_trace(value: str) -> None:
+    memory = _memory()
+    tracing.setup_tracing("pdserve-router", None, 1.0, exporter=memory)
+    headers = tracing.carried([("traceparent", value), ("x-client-id", "a")])
+    router_span("r", 7, 4, "m", tracing.extract_grpc(headers)).end()
+    (span,) = memory.get_finished_spans()
+    assert span.parent is None
