@@ -37,6 +37,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -47,6 +48,7 @@ sys.path.insert(0, str(ROOT))
 from services.bench.arrivals import ArrivalConfig, send_offsets  # noqa: E402
 from services.bench.faults import Fault, FaultEvent, FaultPlan  # noqa: E402
 from services.bench.records import RequestSpec  # noqa: E402
+from services.bench.targets import GrpcTarget  # noqa: E402
 from services.bench.upstack import UpStack  # noqa: E402
 from services.bench.workload import LengthDist, WorkloadConfig, build_workload  # noqa: E402
 
@@ -93,19 +95,36 @@ async def router_migrations(stack: UpStack) -> dict[str, float]:
 
 
 async def reprefill_s(stack: UpStack, ids: list[int], rounds: int = 3) -> float:
-    """Time to first token of `ids` as a prompt on the idle stack (best of `rounds`):
-    what re-prefilling that context costs a migrated stream."""
-    from services.bench.targets import GrpcTarget
+    """Time to first token of a context as long as `ids` on the idle stack, with nothing
+    of it in any prefix cache (the ids reversed and rotated, new each round; best of
+    `rounds`): what re-prefilling that context costs a stream moved to a fresh worker."""
     from services.bench.tokens import first_token_s
 
     target = GrpcTarget(stack.address)
     await target.start()
     try:
-        times = [await first_token_s(target, RequestSpec(ids, 1), f"reprefill-{k}")
-                 for k in range(rounds)]
+        times = []
+        for k in range(rounds):
+            fresh = ids[::-1][k + 1:] + ids[::-1][: k + 1]
+            times.append(await first_token_s(target, RequestSpec(fresh, 1), f"reprefill-{k}"))
     finally:
         await target.close()
     return min(times)
+
+
+def prober(target: GrpcTarget, spec: RequestSpec) -> Callable[[], Awaitable[float]]:
+    """A probe for `FaultPlan`: one new request; the epoch time of its first token."""
+    from services.bench.tokens import first_token_s
+
+    count = 0
+
+    async def probe() -> float:
+        nonlocal count
+        count += 1
+        start = time.time()
+        return start + await first_token_s(target, spec, f"probe-{count}")
+
+    return probe
 
 
 async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
@@ -129,7 +148,11 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         print(f"pdserve up ready in {await stack.wait_ready(args.ready_timeout):.0f} s")
         runner = TokenRunner(TokenTarget(stack.address), drain_timeout_s=args.drain)
         await runner.start()
-        plan = FaultPlan(stack, faults, recover_timeout_s=args.recover_timeout)
+        probes = GrpcTarget(stack.address)
+        await probes.start()
+        short = min(specs, key=lambda s: len(s.prompt_ids))
+        plan = FaultPlan(stack, faults, recover_timeout_s=args.recover_timeout,
+                         probe=prober(probes, RequestSpec(short.prompt_ids, 4, "probe")))
         t0 = time.time()
         faulting = asyncio.create_task(plan.run(t0))
         try:
@@ -139,6 +162,7 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
             await runner.close()
         # Faults late in the schedule are still watched until whole again.
         events: list[FaultEvent] = await faulting
+        await probes.close()
         longest = max(specs, key=lambda s: len(s.prompt_ids) + s.output_len)
         tail = list(reference[specs.index(longest)]) if reference else [1] * longest.output_len
         bound_ids = longest.prompt_ids + tail
@@ -177,16 +201,16 @@ def print_chaos(s: dict[str, Any]) -> None:
     for f in s["faults"]:
         rec = f"{f['recovery_s']:.1f} s ({f['recovered_how']})" if f["recovery_s"] else \
             f"not whole again {f['error']}"
-        served = f["first_served"]["first_token_after_fault_s"]
-        print(f"  {f['label']:<16} whole again after {rec}; first token of a new request "
-              f"{served if served is None else round(served, 2)} s after the fault")
+        probe = f["served_s"]
+        print(f"  {f['label']:<16} whole again after {rec}; a request sent at the fault had "
+              f"its first token {probe if probe is None else round(probe, 2)} s after it "
+              f"({f['probe_failures']} refused before)")
 
 
 async def capacity(args: argparse.Namespace, stack: UpStack) -> float:
     """Requests/s the stack completes at a fixed concurrency (closed loop)."""
     from services.bench.metrics import summarize
     from services.bench.runner import Runner
-    from services.bench.targets import GrpcTarget
 
     arrivals = ArrivalConfig(max_concurrency=args.capacity_concurrency,
                              duration_s=args.capacity_s, seed=args.seed)
@@ -205,7 +229,6 @@ async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from services.bench.metrics import summarize
     from services.bench.procstats import sample, series
     from services.bench.runner import Runner
-    from services.bench.targets import GrpcTarget
 
     stack = UpStack(out, args.up_arg)
     stack.start()

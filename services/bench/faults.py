@@ -11,6 +11,9 @@ A fault is written ``KIND@SECONDS`` (``stop-decode@190:10`` adds how long a stop
 - ``stop-decode`` / ``stop-prefill``: SIGSTOP of the worker, SIGCONT after the given
   seconds. Whole again when that role heartbeats after the SIGCONT (the same process
   resumed) or a new epoch of it is registered (the supervisor replaced it as hung).
+
+With a probe, a new request is sent the moment each fault is injected (and again every
+quarter second while they fail): `served_s` is the time from the fault to its first token.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import contextlib
 import os
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -70,6 +74,8 @@ class FaultEvent:
     recovered_at: float | None = None  # whole again (see the module docstring)
     recovered_how: str = ""
     error: str = ""
+    served_s: float | None = None  # fault -> first token of a probe request sent after it
+    probe_failures: int = 0  # probes refused or failed before that
 
     @property
     def recovery_s(self) -> float | None:
@@ -89,7 +95,10 @@ class FaultPlan:
     stack: UpStack
     faults: list[Fault]
     recover_timeout_s: float = 240.0
+    # Sends one new request; returns the epoch time of its first token (raises if none).
+    probe: Callable[[], Awaitable[float]] | None = None
     events: list[FaultEvent] = field(default_factory=list)
+    _probes: list[asyncio.Task[None]] = field(default_factory=list)
 
     async def run(self, t0: float) -> list[FaultEvent]:
         """Inject every fault at t0 + at_s (epoch seconds), one after another, watching
@@ -106,7 +115,22 @@ class FaultPlan:
             later = [f.at_s for f in self.faults if f.at_s > fault.at_s]
             until = t0 + later[0] if later else event.at + self.recover_timeout_s
             await self._watch(event, min(until, event.at + self.recover_timeout_s))
+        await asyncio.gather(*self._probes, return_exceptions=True)
         return self.events
+
+    def _start_probe(self, event: FaultEvent) -> None:
+        if self.probe is not None:
+            self._probes.append(asyncio.create_task(self._probing(event)))
+
+    async def _probing(self, event: FaultEvent) -> None:
+        assert self.probe is not None
+        while time.time() < event.at + self.recover_timeout_s:
+            try:
+                event.served_s = await self.probe() - event.at
+                return
+            except Exception:  # refused or broken: the stack is not serving yet
+                event.probe_failures += 1
+                await asyncio.sleep(0.25)
 
     async def _worker(self, role: str) -> tuple[int, int]:
         records = [w for w in await self.stack.records() if w.role == role]
@@ -122,14 +146,17 @@ class FaultPlan:
                 raise RuntimeError("no redis-server in the stack's process tree")
             event.pid, event.at = pid, time.time()
             os.kill(pid, signal.SIGKILL)
+            self._start_probe(event)
             return
         event.pid, event.old_epoch = await self._worker(fault.role)
         if fault.kind.startswith("kill"):
             event.at = time.time()
             os.kill(event.pid, signal.SIGKILL)
+            self._start_probe(event)
             return
         event.at = time.time()
         os.kill(event.pid, signal.SIGSTOP)
+        self._start_probe(event)
         try:
             await asyncio.sleep(fault.stop_s)
         finally:
