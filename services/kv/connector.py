@@ -7,7 +7,16 @@ half (`SchedulerSide`: which blocks to ship or fill, and when to free them); in 
 worker process it is the worker half (`Producer` ships layers during the forward pass,
 `Consumer` receives transfers and copies blocks into the paged cache).
 
-Settings come in `kv_connector_extra_config` (see `ConnectorSettings`).
+Settings come in `kv_connector_extra_config` (see `ConnectorSettings`). Beside the
+identity and addressing keys the worker service sets, these tune the KV channel (a key
+that is missing takes the default shown):
+
+* `checksum` (str, "crc32c"): the payload checksum this worker's sender computes: "crc32c"
+  (hardware CRC-32C), "xxh3" (64-bit XXH3) or "crc32" (zlib, slow). The algorithm travels
+  in each transfer's header; a receiver verifies whatever the sender used among these
+  and refuses any other.
+* `max_streams` (int, 32): inbound streams (transfers and torch pairs) the receiver
+  serves at once; one more is refused at once with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -57,6 +66,8 @@ class ConnectorSettings:
     load_timeout_s: float = 30.0  # consumer: longest wait for a complete transfer
     unknown_grace_s: float = 5.0  # consumer: how long an unseen transfer may take to appear
     chunk_bytes: int = 1 << 20
+    checksum: str = "crc32c"  # both: the algorithm this worker's sender computes
+    max_streams: int = 32  # consumer: inbound streams served at once
     allow_faults: bool = False  # fault injection (tests, failure drills)
 
     @classmethod
@@ -93,7 +104,12 @@ class PdserveConnector(KVConnectorBase_V1):
             return
         s = self.settings
         identity = PeerIdentity(s.worker_id, int(s.epoch), fingerprint_of(vllm_config))
-        config = TransportConfig(chunk_bytes=s.chunk_bytes, lease_s=s.lease_s)
+        config = TransportConfig(
+            chunk_bytes=s.chunk_bytes,
+            lease_s=s.lease_s,
+            checksum=s.checksum,
+            max_streams=int(s.max_streams),
+        )
         if self.is_producer:
             self.producer = Producer(identity, config, s.lease_s, s.allow_faults)
         else:

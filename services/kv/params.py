@@ -32,7 +32,8 @@ def check_fault(fault: str, allowed: bool) -> None:
         raise InvalidRequest(f"fault: {fault!r} is not one of {FAULTS[1:]}")
     if fault and not allowed:
         raise PermissionDenied(
-            "fault: fault injection is off on this worker (--allow-fault-injection)")
+            "fault: fault injection is off on this worker (--allow-fault-injection)"
+        )
 
 
 def send_params(

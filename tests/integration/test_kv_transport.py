@@ -6,6 +6,7 @@ Every fault test ends by checking that the same receiver still completes a norma
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing as mp
 import os
 import queue
@@ -25,6 +26,7 @@ from services.kv.transport import (
     TransferOutcome,
     TransferSpec,
     TransportConfig,
+    checksum,
     frames,
     make_receiver,
     make_sender,
@@ -385,11 +387,11 @@ def test_discard_while_receiving(rx: Any, tx: Any, kind: str) -> None:
 
 
 def data(layer: int, chunk: int, offset: int, payload: bytes) -> bytes:
-    return frames.encode_data(layer, chunk, offset, memoryview(payload))
+    return frames.encode_data(layer, chunk, offset, memoryview(payload), CFG.checksum)
 
 
-def header(tid: str, **over: Any) -> bytes:
-    return frames.encode_header(TX_ID, spec_for(tid, **over))
+def header(tid: str, algorithm: str = "crc32c", **over: Any) -> bytes:
+    return frames.encode_header(TX_ID, spec_for(tid, **over), algorithm)
 
 
 def push_raw(address: str, stream: list[bytes]) -> grpc.RpcError | bytes:
@@ -401,12 +403,12 @@ def push_raw(address: str, stream: list[bytes]) -> grpc.RpcError | bytes:
             return e
 
 
-def full_stream(tid: str) -> list[bytes]:
-    out = [header(tid)]
+def full_stream(tid: str, algorithm: str = "crc32c") -> list[bytes]:
+    out = [header(tid, algorithm)]
     for layer, t in enumerate(kv_layers(8)):
         view = frames.byte_view(t)
         for idx, off, n in frames.chunk_ranges(len(view), CFG.chunk_bytes):
-            out.append(frames.encode_data(layer, idx, off, view[off : off + n]))
+            out.append(frames.encode_data(layer, idx, off, view[off : off + n], algorithm))
     chunks = len(out) - 1
     end = {"chunks": chunks, "nbytes": LAYERS * LAYER_BYTES}
     return [*out, frames.encode_control(FrameKind.END, end)]
@@ -417,7 +419,7 @@ CHUNK = b"\x01" * 1024
 
 def corrupt_crc(frame: bytes) -> bytes:
     raw = bytearray(frame)
-    raw[frames.DATA_HEADER_BYTES - 1] ^= 0xFF  # last byte of the crc field
+    raw[frames.DATA_HEADER_BYTES - 1] ^= 0xFF  # last byte of the checksum field
     return bytes(raw)
 
 
@@ -539,8 +541,8 @@ class RoguePair:
 
     def layer(self, tid: str, layer: int, flat: torch.Tensor, announced: int) -> None:
         self.tag += 1
-        crc = torch_pair.payload_crc(flat)
-        body = {"transfer_id": tid, "layer": layer, "nbytes": announced, "crc": crc}
+        crc = torch_pair.payload_checksum(CFG.checksum, flat)
+        body = {"transfer_id": tid, "layer": layer, "nbytes": announced, "checksum": crc}
         self.put(FrameKind.LAYER, {**body, "tag": self.tag})
         self.pg.send([flat], 1, self.tag).wait()
 
@@ -608,3 +610,53 @@ def test_torch_sender_reuses_its_pair(receivers: dict[str, Any]) -> None:
         assert tx.pair_count == 1
     finally:
         tx.close()
+
+
+# -- checksum algorithms ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("algorithm", checksum.ALGORITHMS)
+def test_every_checksum_algorithm_delivers_and_catches_corruption(
+    rx: Any, kind: str, algorithm: str
+) -> None:
+    """The receiver verifies with the algorithm the sender's header names."""
+    tx = make_sender(kind, TX_ID, dataclasses.replace(CFG, checksum=algorithm))
+    try:
+        layers = kv_layers(21)
+        send_all(tx, rx.address, f"sum-{algorithm}", layers)
+        assert wait_outcome(tx, f"sum-{algorithm}").ok
+        got = rx.take(f"sum-{algorithm}")
+        assert got is not None and same_bits(got.layers, layers)
+        tid = f"sum-{algorithm}-corrupt"
+        tx.begin(rx.address, spec_for(tid))
+        tx.corrupt_after_checksum(tid)
+        for i, t in enumerate(layers):
+            tx.send_layer(tid, i, t)
+        tx.end(tid)
+        outcome = wait_outcome(tx, tid)
+        assert not outcome.ok and "checksum mismatch" in (outcome.error or "")
+    finally:
+        tx.close()
+    assert_still_serves(rx, kind)
+
+
+def test_unknown_checksum_algorithm_is_refused(receivers: dict[str, Any]) -> None:
+    rx = receivers["grpc"]
+    stream = full_stream("unknown-sum")
+    result = push_raw(rx.address, [header("unknown-sum", "md5"), *stream[1:]])
+    assert isinstance(result, grpc.RpcError)
+    assert result.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "unknown checksum algorithm 'md5'" in (result.details() or "")
+    assert rx.state("unknown-sum") is ReceiveState.UNKNOWN
+    trx = receivers["torch"]
+    with grpc.insecure_channel(trx.address, options=channel_options(CFG)) as channel:
+        rogue = RoguePair(channel)
+        try:
+            rogue.control.put(header("torch-unknown-sum", "md5"))
+            tid, ok, error, _ = frames.decode_ack(next(rogue.call))
+            assert (tid, ok) == ("torch-unknown-sum", False)
+            assert "unknown checksum algorithm 'md5'" in (error or "")
+        finally:
+            rogue.close()
+    assert_still_serves(rx)
+    assert_still_serves(trx, "torch")

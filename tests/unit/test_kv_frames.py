@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.transport import frames
+from services.kv.transport import checksum, frames
 from services.kv.transport.frames import ControlFrame, DataFrame, FrameError, FrameKind
 from services.kv.transport.spec import TransferSpec
 
@@ -32,28 +32,42 @@ def make_spec(**over: object) -> TransferSpec:
     return TransferSpec(**base)  # type: ignore[arg-type]
 
 
-def test_data_frame_round_trip_and_checksum() -> None:
+@pytest.mark.parametrize("algorithm", checksum.ALGORITHMS)
+def test_data_frame_round_trip_and_checksum(algorithm: str) -> None:
     payload = bytes(range(256)) * 10
-    raw = frames.encode_data(3, 7, 4096, memoryview(payload))
+    raw = frames.encode_data(3, 7, 4096, memoryview(payload), algorithm)
     assert len(raw) == frames.DATA_HEADER_BYTES + len(payload)
     f = frames.decode_frame(raw)
     assert isinstance(f, DataFrame)
     assert (f.layer, f.chunk, f.offset, f.nbytes) == (3, 7, 4096, len(payload))
-    assert f.crc == zlib.crc32(payload) and f.crc_ok()
+    assert f.checksum == checksum.digest(algorithm, payload)
     assert bytes(f.payload) == payload
     corrupt = bytearray(raw)
     corrupt[-1] ^= 0x01
     g = frames.decode_frame(bytes(corrupt))
-    assert isinstance(g, DataFrame) and not g.crc_ok()
+    assert isinstance(g, DataFrame) and checksum.digest(algorithm, g.payload) != g.checksum
+
+
+def test_checksums_are_the_published_algorithms() -> None:
+    # Known answers: CRC-32C("123456789") = 0xE3069283 (RFC 3720), CRC-32 = 0xCBF43926,
+    # XXH3-64 of the empty input = 0x2D06800538D394C2 (xxHash's reference value).
+    assert checksum.digest("crc32c", b"123456789") == 0xE3069283
+    assert checksum.digest("crc32", b"123456789") == zlib.crc32(b"123456789") == 0xCBF43926
+    assert checksum.digest("xxh3", b"") == 0x2D06800538D394C2
+    big = memoryview(torch.arange(1 << 20, dtype=torch.int32).view(torch.uint8).numpy())
+    assert checksum.digest("crc32c", big) == checksum.digest("crc32c", bytes(big))
+    with pytest.raises(ValueError, match="unknown checksum 'md5'"):
+        checksum.check("md5")
+    assert not checksum.known(None) and checksum.known("xxh3")
 
 
 def test_header_round_trip_keeps_spec_and_identity() -> None:
     for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         spec = make_spec(dtype=dtype)
-        f = frames.decode_frame(frames.encode_header(SENDER, spec))
+        f = frames.decode_frame(frames.encode_header(SENDER, spec, "xxh3"))
         assert isinstance(f, ControlFrame) and f.kind is FrameKind.HEADER
-        sender, got = frames.decode_header(f.body)
-        assert sender == SENDER and got == spec
+        sender, got, algorithm = frames.decode_header(f.body)
+        assert sender == SENDER and got == spec and algorithm == "xxh3"
         assert got.layer_nbytes == 2 * 3 * 16 * 256 * torch.empty((), dtype=dtype).element_size()
 
 
@@ -83,10 +97,10 @@ def test_decode_rejects_malformed(raw: bytes, message: str) -> None:
 
 
 def test_decode_rejects_payload_length_mismatch() -> None:
-    raw = frames.encode_data(0, 0, 0, memoryview(b"abcd"))
+    raw = frames.encode_data(0, 0, 0, memoryview(b"abcd"), "crc32c")
     with pytest.raises(FrameError, match="says 4 payload bytes, carries 3"):
         frames.decode_frame(raw[:-1])
-    lying = struct.pack("<BBxxIIQII", FrameKind.DATA, frames.VERSION, 0, 0, 0, 1 << 31, 0)
+    lying = struct.pack("<BBxxIIQIxxxxQ", FrameKind.DATA, frames.VERSION, 0, 0, 0, 1 << 31, 0)
     with pytest.raises(FrameError):
         frames.decode_frame(lying + b"x")
 
@@ -112,12 +126,16 @@ def test_spec_from_dict_is_strict(key: str, value: object, message: str) -> None
 
 
 def test_header_with_bad_identity_is_a_frame_error() -> None:
-    body = json.loads(frames.encode_header(SENDER, make_spec())[2:])
+    body = json.loads(frames.encode_header(SENDER, make_spec(), "crc32c")[2:])
     del body["sender"]["fingerprint"]["block_size"]
     with pytest.raises(FrameError, match="bad sender identity"):
         frames.decode_header(body)
     with pytest.raises(FrameError, match="missing field 'spec'"):
         frames.decode_header({"sender": SENDER.to_dict()})
+    body = json.loads(frames.encode_header(SENDER, make_spec(), "crc32c")[2:])
+    del body["checksum"]
+    with pytest.raises(FrameError, match="missing field 'checksum'"):
+        frames.decode_header(body)
 
 
 def test_chunk_ranges_cover_exactly() -> None:

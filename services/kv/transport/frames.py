@@ -4,12 +4,13 @@ Every frame is one gRPC message (raw bytes, no protobuf on the hot path: protobu
 copy each payload again). Byte 0 is the `FrameKind`, byte 1 the protocol version.
 
 * DATA frames carry payload: a fixed little-endian header (layer index, chunk index,
-  byte offset inside the layer, payload size, crc32 of the payload) then the payload.
+  byte offset inside the layer, payload size, 64-bit checksum of the payload) then the
+  payload. The checksum algorithm is named once, in the transfer's HEADER.
 * All other frames are rare control frames: the two bytes, then a JSON object.
 
 gRPC transfers use HEADER, DATA..., END on one client stream, answered by one ACK. The
 torch.distributed transport sends HELLO/READY to set up a pair group, then HEADER,
-LAYER (per-layer size and crc32; the payload goes over the pair group), END and CANCEL
+LAYER (per-layer size and checksum; the payload goes over the pair group), END and CANCEL
 on one bidirectional control stream per pair, answered by ACKs. Both are methods of the
 generic-handler service `pdserve.v1.KVTransfer` (Push: client stream of frames -> ACK;
 Pair: bidirectional stream), served without protobuf so payloads are never re-copied.
@@ -20,7 +21,6 @@ from __future__ import annotations
 import enum
 import json
 import struct
-import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -28,13 +28,14 @@ from typing import Any, TypeVar
 import torch
 
 from services.kv.fingerprint import PeerIdentity
+from services.kv.transport import checksum
 from services.kv.transport.spec import TransferSpec
 
-VERSION = 1
+VERSION = 2  # 2: 64-bit checksums, algorithm named in the HEADER
 MAX_CONTROL_BYTES = 64 << 10  # a header is ~1 KB; anything far larger is not ours
 
-# kind u8, version u8, 2 pad, layer u32, chunk u32, offset u64, nbytes u32, crc32 u32
-_DATA = struct.Struct("<BBxxIIQII")
+# kind u8, version u8, 2 pad, layer u32, chunk u32, offset u64, nbytes u32, 4 pad, checksum u64
+_DATA = struct.Struct("<BBxxIIQIxxxxQ")
 DATA_HEADER_BYTES = _DATA.size
 
 # Names accepted on the wire; a closed list, so a peer cannot name arbitrary attributes.
@@ -59,13 +60,13 @@ _DTYPES: dict[str, torch.dtype] = {
 class FrameKind(enum.IntEnum):
     """Frame kinds; the JSON fields of control frames are listed with each."""
 
-    HEADER = 1  # {sender: PeerIdentity, spec: TransferSpec}
+    HEADER = 1  # {sender: PeerIdentity, spec: TransferSpec, checksum: algorithm name}
     DATA = 2  # binary, see _DATA (gRPC transport only)
     END = 3  # {chunks, nbytes} (+ transfer_id on a pair stream): totals sent
     ACK = 4  # {transfer_id, ok, error, nbytes}: the receiver's verdict
     HELLO = 5  # {sender, pair_id, receiver_host, device}: asks for a pair group
     READY = 6  # {store_port, prefix}: where to rendezvous for it
-    LAYER = 7  # {transfer_id, layer, nbytes, crc, tag}: a payload follows on the group
+    LAYER = 7  # {transfer_id, layer, nbytes, checksum, tag}: a payload follows on the group
     CANCEL = 8  # {transfer_id, reason}: the sender abandons a transfer
 
 
@@ -79,11 +80,8 @@ class DataFrame:
     chunk: int
     offset: int
     nbytes: int
-    crc: int
+    checksum: int  # of the payload, by the algorithm the transfer's header names
     payload: memoryview  # a view into the received message: no copy
-
-    def crc_ok(self) -> bool:
-        return zlib.crc32(self.payload) == self.crc
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,11 +114,10 @@ def chunk_ranges(total: int, chunk_bytes: int) -> Iterator[tuple[int, int, int]]
         yield idx, offset, min(chunk_bytes, total - offset)
 
 
-def encode_data(layer: int, chunk: int, offset: int, payload: memoryview) -> bytes:
+def encode_data(layer: int, chunk: int, offset: int, payload: memoryview, algorithm: str) -> bytes:
     """One DATA frame; the join is the only copy of the payload on the sending side."""
-    head = _DATA.pack(
-        FrameKind.DATA, VERSION, layer, chunk, offset, len(payload), zlib.crc32(payload)
-    )
+    value = checksum.digest(algorithm, payload)
+    head = _DATA.pack(FrameKind.DATA, VERSION, layer, chunk, offset, len(payload), value)
     return b"".join((head, payload))
 
 
@@ -142,11 +139,11 @@ def decode_frame(frame: bytes) -> DataFrame | ControlFrame:
     if kind is FrameKind.DATA:
         if len(frame) < DATA_HEADER_BYTES:
             raise FrameError(f"data frame of {len(frame)} bytes is shorter than its header")
-        _, _, layer, chunk, offset, nbytes, crc = _DATA.unpack_from(frame)
+        _, _, layer, chunk, offset, nbytes, value = _DATA.unpack_from(frame)
         payload = memoryview(frame)[DATA_HEADER_BYTES:]
         if len(payload) != nbytes:
             raise FrameError(f"data frame says {nbytes} payload bytes, carries {len(payload)}")
-        return DataFrame(layer, chunk, offset, nbytes, crc, payload)
+        return DataFrame(layer, chunk, offset, nbytes, value, payload)
     if len(frame) > MAX_CONTROL_BYTES:
         raise FrameError(f"{kind.name} frame of {len(frame)} bytes is too large")
     try:
@@ -201,18 +198,20 @@ def spec_from_dict(d: dict[str, Any]) -> TransferSpec:
         raise FrameError(f"bad transfer spec: {e}") from None
 
 
-def encode_header(sender: PeerIdentity, spec: TransferSpec) -> bytes:
-    return encode_control(
-        FrameKind.HEADER, {"sender": sender.to_dict(), "spec": spec_to_dict(spec)}
-    )
+def encode_header(sender: PeerIdentity, spec: TransferSpec, algorithm: str) -> bytes:
+    body = {"sender": sender.to_dict(), "spec": spec_to_dict(spec), "checksum": algorithm}
+    return encode_control(FrameKind.HEADER, body)
 
 
-def decode_header(body: dict[str, Any]) -> tuple[PeerIdentity, TransferSpec]:
+def decode_header(body: dict[str, Any]) -> tuple[PeerIdentity, TransferSpec, str]:
+    """(sender, spec, checksum algorithm) of a HEADER; the algorithm is checked by whoever
+    accepts the transfer, so that an unknown one is a refusal with a reason."""
     try:
         sender = PeerIdentity.from_dict(field(body, "sender", dict))
     except ValueError as e:
         raise FrameError(f"bad sender identity: {e}") from None
-    return sender, spec_from_dict(field(body, "spec", dict))
+    spec = spec_from_dict(field(body, "spec", dict))
+    return sender, spec, field(body, "checksum", str)[:64]
 
 
 def encode_ack(transfer_id: str, ok: bool, error: str | None, nbytes: int) -> bytes:

@@ -97,8 +97,8 @@ class GrpcKVReceiver(KVReceiver):
                     code = grpc.StatusCode.INVALID_ARGUMENT
                     reason = f"{kind} frame before any header: unknown transfer"
                 else:
-                    sender, spec = frames.decode_header(frame.body)
-                    st = self.table.open(sender, spec, on_stall=context.cancel)
+                    sender, spec, algorithm = frames.decode_header(frame.body)
+                    st = self.table.open(sender, spec, algorithm, on_stall=context.cancel)
                     return self._receive(st, requests)
         except Refused as e:
             code, reason = grpc.StatusCode.FAILED_PRECONDITION, f"refused: {e}"

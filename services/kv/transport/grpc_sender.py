@@ -133,7 +133,8 @@ class GrpcKVSender(SenderCore[PushLink]):
         """The request stream; runs on gRPC's consumer thread, one frame per write."""
         spec, chunk_bytes = out.spec, self.config.chunk_bytes
         out.first_send_ts = out.last_progress = time.monotonic()
-        yield frames.encode_header(self.identity, spec)
+        algorithm = self.config.checksum
+        yield frames.encode_header(self.identity, spec, algorithm)
         chunks = 0
         while True:
             out.phase = "waiting for layers"
@@ -153,7 +154,9 @@ class GrpcKVSender(SenderCore[PushLink]):
                 view = frames.byte_view(host_tensor(item.tensor, item.event))
                 out.phase = f"sending layer {item.layer}"
                 for idx, offset, n in frames.chunk_ranges(len(view), chunk_bytes):
-                    frame = frames.encode_data(item.layer, idx, offset, view[offset : offset + n])
+                    frame = frames.encode_data(
+                        item.layer, idx, offset, view[offset : offset + n], algorithm
+                    )
                     if out.corrupt:  # fault injection: damage the payload after its checksum
                         out.corrupt, frame = False, frame[:-1] + bytes([frame[-1] ^ 0xFF])
                     yield frame

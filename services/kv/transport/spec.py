@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.kv.transport import checksum
+from services.kv.transport.checksum import DEFAULT as DEFAULT_CHECKSUM
+
 
 @dataclass(frozen=True, slots=True)
 class TransferSpec:
@@ -89,6 +92,7 @@ class TransportConfig:
     max_staged_bytes: int = 8 << 30  # receiver refuses new transfers beyond this staging
     device: str = "cpu"  # where the receiver stages layers ("cuda:N" for the NCCL path)
     pool_bytes: int = 1 << 30  # staging memory kept for reuse: fresh pages cost page faults
+    checksum: str = DEFAULT_CHECKSUM  # what this sender computes (see checksum.py)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:
@@ -99,3 +103,4 @@ class TransportConfig:
             raise ValueError("lease_s and stall_timeout_s must be positive")
         if self.send_queue_depth <= 0 or self.max_streams <= 0:
             raise ValueError("send_queue_depth and max_streams must be positive")
+        checksum.check(self.checksum)

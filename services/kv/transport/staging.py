@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.kv.fingerprint import PeerIdentity
+from services.kv.transport import checksum
 from services.kv.transport.frames import DataFrame, byte_view
 from services.kv.transport.slab_pool import SlabPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransferSpec, TransportConfig
@@ -62,6 +63,7 @@ class Staged:
     last_wall: float = 0.0
     on_stall: Callable[[], None] | None = None  # stops the stream when the reaper fails it
     slab: torch.Tensor | None = None  # pooled memory under `layers`
+    checksum: str = checksum.DEFAULT  # the algorithm the sender named in its header
 
 
 class StagingTable:
@@ -106,12 +108,16 @@ class StagingTable:
         self,
         sender: PeerIdentity,
         spec: TransferSpec,
+        algorithm: str,
         on_stall: Callable[[], None] | None = None,
     ) -> Staged:
         """Accept a header and allocate its buffers; raises Refused with the reason."""
         reason = self.refusal(sender, spec)
         if reason:
             raise Refused(reason)
+        if not checksum.known(algorithm):
+            known = ", ".join(checksum.ALGORITHMS)
+            raise Refused(f"unknown checksum algorithm {algorithm!r} (this receiver knows {known})")
         need = spec.total_nbytes
         with self._cond:
             old = self._items.get(spec.transfer_id)
@@ -140,6 +146,7 @@ class StagingTable:
         st.filled = [0] * spec.num_layers
         st.next_chunk = [0] * spec.num_layers
         st.on_stall = on_stall
+        st.checksum = algorithm
         with self._cond:
             if spec.transfer_id in self._items:  # a FAILED record of an earlier try
                 self._drop(self._items.pop(spec.transfer_id))
@@ -173,7 +180,7 @@ class StagingTable:
                 f"chunk {frame.chunk} of layer {layer} has wrong size: {frame.nbytes} bytes at "
                 f"offset {frame.offset}, layer holds {spec.layer_nbytes}"
             )
-        if not frame.crc_ok():
+        if checksum.digest(st.checksum, frame.payload) != frame.checksum:
             raise TransferFault(
                 f"checksum mismatch in chunk {frame.chunk} of layer {layer}", data_loss=True
             )

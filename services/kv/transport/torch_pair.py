@@ -3,7 +3,7 @@
 Per (sender, receiver) pair there is one process group and one bidirectional gRPC
 control stream (method Pair). The stream carries HELLO/READY (rendezvous: the receiver
 hosts a TCPStore on its own port and names a fresh key prefix for each pair, since stale
-keys of an earlier pair would mislead the rendezvous), then HEADER, LAYER (size, crc32,
+keys of an earlier pair would mislead the rendezvous), then HEADER, LAYER (size, checksum,
 tag), END and CANCEL for any number of transfers, answered by ACK frames.
 
 Why one control stream per pair rather than per transfer: a gloo send/recv pair must
@@ -24,13 +24,12 @@ from __future__ import annotations
 import datetime
 import re
 import socket
-import zlib
 from typing import Any
 
 import torch
 from torch.distributed import ProcessGroupGloo, Store
 
-from services.kv.transport import frames
+from services.kv.transport import checksum, frames
 
 SEND_WINDOW = 2  # layers in flight per pair
 DRAIN_LIMIT = 1 << 30  # a bad LAYER frame larger than this breaks the pair instead
@@ -61,9 +60,10 @@ def build_pair_group(store: Store, rank: int, hostname: str, device: str, timeou
     return ProcessGroupGloo(store, rank, 2, opts)
 
 
-def payload_crc(flat: torch.Tensor) -> int:
-    """crc32 of a flat uint8 tensor (a host copy for CUDA tensors)."""
-    return zlib.crc32(frames.byte_view(flat if flat.device.type == "cpu" else flat.cpu()))
+def payload_checksum(algorithm: str, flat: torch.Tensor) -> int:
+    """The checksum of a flat uint8 tensor (over a host copy for CUDA tensors)."""
+    host = flat if flat.device.type == "cpu" else flat.cpu()
+    return checksum.digest(algorithm, frames.byte_view(host))
 
 
 def host_and_port(address: str) -> tuple[str, int]:

@@ -13,7 +13,7 @@ from services.kv.transport import frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
 from services.kv.transport.staging import Refused, Staged, TransferFault
-from services.kv.transport.torch_pair import DRAIN_LIMIT, payload_crc
+from services.kv.transport.torch_pair import DRAIN_LIMIT, payload_checksum
 
 
 class PairIn:
@@ -23,7 +23,7 @@ class PairIn:
         self.table, self.sender, self.pg = receiver.table, sender, pg
         self.device = receiver.config.device
         self.live: dict[str, Staged] = {}
-        # A received layer whose crc32 is checked while the next one is on the wire.
+        # A received layer whose checksum is verified while the next one is on the wire.
         self.pending: tuple[Staged, int, torch.Tensor, int] | None = None
 
     def handle(self, frame: Any) -> list[bytes]:
@@ -40,13 +40,13 @@ class PairIn:
             return acks
         self._verify_pending(acks)
         if kind is FrameKind.HEADER:
-            sender, spec = frames.decode_header(body)
+            sender, spec, algorithm = frames.decode_header(body)
             try:
                 if sender != self.sender:
                     raise Refused(
                         f"header from {sender.worker_id} on {self.sender.worker_id}'s pair"
                     )
-                self.live[spec.transfer_id] = self.table.open(sender, spec)
+                self.live[spec.transfer_id] = self.table.open(sender, spec, algorithm)
             except Refused as e:
                 acks.append(frames.encode_ack(spec.transfer_id, False, f"refused: {e}", 0))
             return acks
@@ -74,7 +74,7 @@ class PairIn:
     def _post_recv(self, body: dict[str, Any], acks: list[bytes]) -> tuple[Any, Any]:
         tid = frames.field(body, "transfer_id", str)
         layer, nbytes = frames.field(body, "layer", int), frames.field(body, "nbytes", int)
-        crc, tag = frames.field(body, "crc", int), frames.field(body, "tag", int)
+        crc, tag = frames.field(body, "checksum", int), frames.field(body, "tag", int)
         st = self.live.get(tid)
         if st is not None:
             try:
@@ -97,7 +97,7 @@ class PairIn:
         tid = st.spec.transfer_id
         if self.live.get(tid) is not st:
             return  # failed meanwhile
-        if payload_crc(flat) != crc:
+        if payload_checksum(st.checksum, flat) != crc:
             self._fail(tid, f"checksum mismatch in layer {layer}", acks)
         else:
             self.table.layer_received(st, layer)

@@ -36,7 +36,7 @@ from services.kv.transport.torch_pair import (
     build_pair_group,
     host_and_port,
     local_ip_towards,
-    payload_crc,
+    payload_checksum,
 )
 
 logger = logging.getLogger(__name__)
@@ -193,7 +193,7 @@ class PairOut:
             if item.event is not None:  # CUDA producer: wait for its index_select
                 item.event.synchronize()
             flat = item.tensor.to(self.device).contiguous().reshape(-1).view(torch.uint8)
-            crc = payload_crc(flat)
+            crc = payload_checksum(self.sender.config.checksum, flat)
             if out.corrupt:  # fault injection: damage a copy after the checksum
                 out.corrupt, flat = False, flat.clone()
                 flat[0] ^= 0xFF
@@ -227,7 +227,9 @@ class PairOut:
                 self._awaiting[tid] = out
             out.first_send_ts = out.last_progress = now
             out.phase = "waiting for layers"
-            self.control.put(frames.encode_header(self.sender.identity, spec))
+            self.control.put(
+                frames.encode_header(self.sender.identity, spec, self.sender.config.checksum)
+            )
         elif item == END_ITEM and not out.done:
             out.last_progress, out.phase = now, "waiting for the receiver's ack"
             body = {"transfer_id": tid, "chunks": spec.num_layers, "nbytes": spec.total_nbytes}
@@ -236,7 +238,12 @@ class PairOut:
             flat, crc = prepared
             self.seq = (self.seq + 1) % TAG_MOD
             out.last_progress, out.phase = now, f"sending layer {item.layer}"
-            body = {"transfer_id": tid, "layer": item.layer, "nbytes": flat.numel(), "crc": crc}
+            body = {
+                "transfer_id": tid,
+                "layer": item.layer,
+                "nbytes": flat.numel(),
+                "checksum": crc,
+            }
             self.control.put(frames.encode_control(FrameKind.LAYER, {**body, "tag": self.seq}))
             try:
                 return out, item, self.pg.send([flat], 1, self.seq)
