@@ -144,6 +144,7 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         print(f"reference outputs from vLLM's offline engine in {time.monotonic() - t:.0f} s")
     stack = UpStack(out, args.up_arg)
     stack.start()
+    cpu_samples: list[dict[str, float]] = []
     try:
         print(f"pdserve up ready in {await stack.wait_ready(args.ready_timeout):.0f} s")
         runner = TokenRunner(TokenTarget(stack.address), drain_timeout_s=args.drain)
@@ -152,7 +153,10 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         await probes.start()
         short = min(specs, key=lambda s: len(s.prompt_ids))
         plan = FaultPlan(stack, faults, recover_timeout_s=args.recover_timeout,
-                         probe=prober(probes, RequestSpec(short.prompt_ids, 4, "probe")))
+                         probe=prober(probes, RequestSpec(short.prompt_ids, 4, "probe")),
+                         busy=lambda: runner.live is not None
+                         and runner.live.running >= args.fault_inflight)
+        cpu = asyncio.create_task(cpu_watch(stack, cpu_samples))
         t0 = time.time()
         faulting = asyncio.create_task(plan.run(t0))
         try:
@@ -163,6 +167,7 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         # Faults late in the schedule are still watched until whole again.
         events: list[FaultEvent] = await faulting
         await probes.close()
+        cpu.cancel()
         longest = max(specs, key=lambda s: len(s.prompt_ids) + s.output_len)
         tail = list(reference[specs.index(longest)]) if reference else [1] * longest.output_len
         bound_ids = longest.prompt_ids + tail
@@ -177,14 +182,51 @@ async def chaos(args: argparse.Namespace, out: Path) -> dict[str, Any]:
         "events": [e.to_dict() for e in events]}, default=str))
     summary = summarize_chaos(result.records, runner.tokens, reference, events)
     plot = timeline_plot(result.records, runner.tokens, events, t0, args.plot)
+    for g in summary["longest_gaps"]:
+        # What else the machine was doing while the client waited.
+        during = [c for c in cpu_samples if g["start"] < c["t"] <= g["start"] + g["gap_s"] + 1]
+        if during:
+            g["cores_busy_machine"] = sum(c["machine"] for c in during) / len(during)
+            g["cores_busy_others"] = sum(c["machine"] - c["stack"] - c["bench"]
+                                         for c in during) / len(during)
     gap = summary["longest_gap"]["gap_s"] if summary["longest_gap"] else 0.0
     summary.update({
         "started_at": t0, "rate": args.rate, "duration_s": args.duration,
         "router_migrations_total": migrations,
         "longest_context_tokens": len(bound_ids), "reprefill_longest_s": reprefill,
         "gap_bound_s": reprefill + 1.0, "gap_within_bound": gap <= reprefill + 1.0,
-        "plot": str(plot), "args": vars(args)})
+        "cpu": cpu_samples, "plot": str(plot), "args": vars(args)})
     return summary
+
+
+async def cpu_watch(stack: UpStack, out: list[dict[str, float]], every_s: float = 1.0) -> None:
+    """Every second: cores busy on the whole machine, in the stack's processes and in
+    this one, so that a stall can be told from a machine busy with other work."""
+    import psutil
+
+    def busy() -> tuple[float, float, float]:
+        total = psutil.cpu_times()
+        machine = total.user + total.system + total.nice + getattr(total, "irq", 0.0) + \
+            getattr(total, "softirq", 0.0)
+        mine = 0.0
+        for p in stack.tree():
+            try:
+                t = p.cpu_times()
+                mine += t.user + t.system
+            except psutil.Error:
+                continue
+        own = psutil.Process().cpu_times()
+        return machine, mine, own.user + own.system
+
+    prev, at = busy(), time.time()
+    while True:
+        await asyncio.sleep(every_s)
+        now, t = busy(), time.time()
+        dt = t - at
+        # A process that exited takes its CPU time with it: the stack's figure can dip.
+        out.append({"t": t, "machine": (now[0] - prev[0]) / dt,
+                    "stack": max(0.0, now[1] - prev[1]) / dt, "bench": (now[2] - prev[2]) / dt})
+        prev, at = now, t
 
 
 def print_chaos(s: dict[str, Any]) -> None:
@@ -322,6 +364,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--faults", nargs="+", default=None, metavar="KIND@S[:STOP_S]",
                    help="chaos: faults (kill-decode, kill-prefill, kill-redis, stop-decode, "
                    f"stop-prefill) at seconds after the start; default {' '.join(FULL_FAULTS)}")
+    p.add_argument("--fault-inflight", type=int, default=2,
+                   help="chaos: a fault waits (up to 30 s) until this many requests are in "
+                   "flight, so it never lands in a quiet gap of the schedule")
     p.add_argument("--no-reference", action="store_true",
                    help="chaos: skip the offline reference (no token comparison)")
     p.add_argument("--recover-timeout", type=float, default=240.0,

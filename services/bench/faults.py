@@ -12,6 +12,8 @@ A fault is written ``KIND@SECONDS`` (``stop-decode@190:10`` adds how long a stop
   seconds. Whole again when that role heartbeats after the SIGCONT (the same process
   resumed) or a new epoch of it is registered (the supervisor replaced it as hung).
 
+With `busy`, each fault waits (up to `busy_wait_s`) for a moment when `busy()` is true
+(e.g. streams in flight), so that a fault never lands in a quiet gap of the schedule.
 With a probe, a new request is sent the moment each fault is injected (and again every
 quarter second while they fail): `served_s` is the time from the fault to its first token.
 """
@@ -97,6 +99,8 @@ class FaultPlan:
     recover_timeout_s: float = 240.0
     # Sends one new request; returns the epoch time of its first token (raises if none).
     probe: Callable[[], Awaitable[float]] | None = None
+    busy: Callable[[], bool] | None = None  # inject only while this holds (see above)
+    busy_wait_s: float = 30.0
     events: list[FaultEvent] = field(default_factory=list)
     _probes: list[asyncio.Task[None]] = field(default_factory=list)
 
@@ -105,6 +109,9 @@ class FaultPlan:
         each until the stack is whole again (or the next fault is due)."""
         for fault in sorted(self.faults, key=lambda f: f.at_s):
             await asyncio.sleep(max(0.0, t0 + fault.at_s - time.time()))
+            give_up = time.time() + self.busy_wait_s
+            while self.busy is not None and not self.busy() and time.time() < give_up:
+                await asyncio.sleep(0.05)
             event = FaultEvent(fault)
             self.events.append(event)
             try:
