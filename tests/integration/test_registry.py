@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import pytest
 import redis as sync_redis
 from prometheus_client import REGISTRY
 
+from services.launcher.desired import LauncherError, set_desired
 from services.registry.records import WorkerRecord
 from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry
@@ -192,23 +194,26 @@ async def test_a_crashed_routers_client_leases_come_back(redis: RedisServer,
             holder.kill()
 
 
-def pdserve(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "services.cli", *args], capture_output=True,
-                          text=True, timeout=60, env={**os.environ, **env})
-
-
-def test_scale_and_down_without_a_stack_say_what_to_do(redis: RedisServer,
-                                                       tmp_path: Path) -> None:
-    env = {"PDSERVE_STATE_FILE": str(tmp_path / "none.json")}
-    for args in (["scale", "--prefill", "2"], ["down"]):
-        out = pdserve(*args, env=env)
-        assert out.returncode == 1 and "Traceback" not in out.stderr
-        assert out.stderr.strip().count("\n") == 0 and "--redis-url" in out.stderr
-    dead = f"redis://:pw@127.0.0.1:{redis.port + 1 if redis.port < 65535 else 1}/0"
-    out = pdserve("down", "--redis-url", dead, env={**env, "PDSERVE_CLUSTER_SECRET": "x" * 20})
-    assert out.returncode == 1 and "Traceback" not in out.stderr
-    assert "cannot reach" in out.stderr and "pw" not in out.stderr
+async def test_scale_and_down_without_a_stack_say_what_to_do(
+        redis: RedisServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("PDSERVE_STATE_FILE", str(tmp_path / "none.json"))
+    monkeypatch.delenv("PDSERVE_CLUSTER_SECRET", raising=False)
+    with pytest.raises(LauncherError, match="--redis-url"):
+        await set_desired("", {"down": True})
     sync_redis.Redis.from_url(redis.url).delete("pdserve:desired")
-    out = pdserve("scale", "--decode", "2", "--redis-url", redis.url, env=env)
-    assert out.returncode == 1 and "`pdserve up`" in out.stderr
-    assert redis.password not in out.stderr
+    with pytest.raises(LauncherError, match="`pdserve up`") as e:
+        await set_desired(redis.url, {"decode": 2}, wait_s=0.5)
+    assert redis.password not in str(e.value)
+    anonymous = f"redis://127.0.0.1:{redis.port}/0"
+    with pytest.raises(LauncherError, match="password"):
+        await set_desired(anonymous, {"decode": 2}, wait_s=0.5)
+    # The command line: one line, no traceback, no password.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        dead = f"redis://:hunter2@127.0.0.1:{s.getsockname()[1]}/0"
+    out = subprocess.run([sys.executable, "-m", "services.cli", "down", "--redis-url", dead],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PDSERVE_STATE_FILE": str(tmp_path / "x.json")})
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert out.stderr.strip().count("\n") == 0 and "cannot reach" in out.stderr
+    assert "hunter2" not in out.stderr
