@@ -15,6 +15,10 @@ that is missing takes the default shown):
   (hardware CRC-32C), "xxh3" (64-bit XXH3) or "crc32" (zlib, slow). The algorithm travels
   in each transfer's header; a receiver verifies whatever the sender used among these
   and refuses any other.
+* `shm` (bool, True): same-host KV through shared-memory segments. On a prefill worker:
+  ship to a decode worker whose `same_host` param is set through shm (else over the
+  network, counted in `pdserve_kv_transport_fallbacks_total{reason}`); on a decode
+  worker: accept shm transfers on the receiver's address.
 * `max_streams` (int, 32): inbound streams (transfers and torch pairs) the receiver
   serves at once; one more is refused at once with RESOURCE_EXHAUSTED.
 """
@@ -31,6 +35,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
     KVConnectorTransferResults,
 )
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+    KVConnectorPromMetrics,
+    KVConnectorStats,
+)
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from services.kv.consumer import Consumer
@@ -39,6 +47,7 @@ from services.kv.layout import fingerprint_of
 from services.kv.params import PdserveConnectorMetadata
 from services.kv.producer import Producer
 from services.kv.scheduler_side import SchedulerSide
+from services.kv.stats import FALLBACKS, FallbackMetrics, PdserveKVStats
 from services.kv.transport import TransportConfig
 
 if TYPE_CHECKING:
@@ -68,6 +77,7 @@ class ConnectorSettings:
     chunk_bytes: int = 1 << 20
     checksum: str = "crc32c"  # both: the algorithm this worker's sender computes
     max_streams: int = 32  # consumer: inbound streams served at once
+    shm: bool = True  # both: same-host transfers through shared memory
     allow_faults: bool = False  # fault injection (tests, failure drills)
 
     @classmethod
@@ -109,9 +119,10 @@ class PdserveConnector(KVConnectorBase_V1):
             lease_s=s.lease_s,
             checksum=s.checksum,
             max_streams=int(s.max_streams),
+            shm=bool(s.shm),
         )
         if self.is_producer:
-            self.producer = Producer(identity, config, s.lease_s, s.allow_faults)
+            self.producer = Producer(identity, config, s.lease_s, s.allow_faults, bool(s.shm))
         else:
             self.consumer = Consumer(
                 identity,
@@ -165,6 +176,26 @@ class PdserveConnector(KVConnectorBase_V1):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         r = self.get_transfer_results(finished_req_ids)
         return r.finished_sending or None, r.finished_recving or None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        if self.producer is None:
+            return None
+        counts = self.producer.take_fallbacks()
+        return PdserveKVStats({FALLBACKS: counts}) if counts else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats:
+        return PdserveKVStats(dict(data) if data else {FALLBACKS: {}})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: Any,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVConnectorPromMetrics:
+        return FallbackMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def build_connector_worker_meta(self) -> Any:
         return self.consumer.worker_meta() if self.consumer is not None else None

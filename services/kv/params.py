@@ -43,8 +43,14 @@ def send_params(
     decode_epoch: int,
     decode_fingerprint: str,
     fault: str = "",
+    same_host: bool = False,
 ) -> dict[str, Any]:
-    """kv_transfer_params of a prefill request: ship the prompt's KV there."""
+    """kv_transfer_params of a prefill request: ship the prompt's KV there.
+
+    `same_host`: the decode worker runs on this worker's host (the router sets it when
+    the two records share `host`); the producer then ships through shared memory when
+    shm is enabled, else over `kv_transport`, and counts why.
+    """
     return {
         KEY: {
             "role": "send",
@@ -54,6 +60,7 @@ def send_params(
             "decode_epoch": decode_epoch,
             "decode_fingerprint": decode_fingerprint,
             "fault": fault,
+            "same_host": bool(same_host),
         }
     }
 
@@ -83,6 +90,7 @@ class SaveJob:
     block_ids: list[int]
     num_tokens: int
     fault: str = ""
+    same_host: bool = False  # the receiver shares this host: shared memory may be used
 
 
 @dataclass(slots=True)

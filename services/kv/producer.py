@@ -1,17 +1,34 @@
 """The connector's worker half on a prefill engine: ship each layer's blocks as the layer
-is computed, and tell vLLM when a request's blocks may be freed."""
+is computed, and tell vLLM when a request's blocks may be freed.
+
+Transport choice: a job whose receiver shares this host (`SaveJob.same_host`) goes through
+shared memory when shm is on here, else over the receiver's network transport. Every
+same-host transfer that ends up on the network is counted by reason (`fallbacks`, exported
+as `pdserve_kv_transport_fallbacks_total{reason}`) and each (peer, reason) is logged once:
+a silent fallback to TCP costs up to 100x on a GPU node."""
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
 
 from services.kv.fingerprint import PeerIdentity
 from services.kv.params import FAULT_CORRUPT_CHUNK, PdserveConnectorMetadata, SaveJob
-from services.kv.transport import KVSender, TransferSpec, TransportConfig, make_sender
+from services.kv.transport import (
+    SHM,
+    KVSender,
+    TransferSpec,
+    TransportConfig,
+    make_sender,
+    make_shm_sender,
+)
+from services.kv.transport.shm_sender import ShmKVSender
+
+REASON_DISABLED = "shm_disabled"  # this worker's `shm` key is false
 
 log = logging.getLogger(__name__)
 
@@ -20,17 +37,27 @@ log = logging.getLogger(__name__)
 class _Sending:
     job: SaveJob
     started: float  # time.monotonic()
+    kind: str  # the sender it went to: a network kind, or "shm:<network kind>"
     layers_sent: int = 0
 
 
 class Producer:
     def __init__(
-        self, identity: PeerIdentity, config: TransportConfig, lease_s: float, allow_faults: bool
+        self,
+        identity: PeerIdentity,
+        config: TransportConfig,
+        lease_s: float,
+        allow_faults: bool,
+        shm: bool = True,
     ) -> None:
         self.identity = identity
         self.config = config
         self.lease_s = lease_s
         self.allow_faults = allow_faults
+        self.shm = shm
+        self.fallbacks: Counter[str] = Counter()  # same-host transfers sent over the network
+        self._no_shm: dict[str, str] = {}  # peer -> why shm failed there (then: network)
+        self._logged: set[tuple[str, str]] = set()
         self._senders: dict[str, KVSender] = {}  # one per transport kind, made on first use
         self._layer_index: dict[str, int] = {}
         self._block_ids: dict[str, torch.Tensor] = {}  # transfer id -> index tensor
@@ -44,8 +71,39 @@ class Producer:
 
     def _sender(self, kind: str) -> KVSender:
         if kind not in self._senders:
-            self._senders[kind] = make_sender(kind, self.identity, self.config)
+            if kind.startswith(f"{SHM}:"):
+                network = self._sender(kind.split(":", 1)[1])
+                self._senders[kind] = make_shm_sender(self.identity, self.config, network)
+            else:
+                self._senders[kind] = make_sender(kind, self.identity, self.config)
         return self._senders[kind]
+
+    def _route(self, job: SaveJob) -> str:
+        """The sender a job goes to."""
+        if not job.same_host:
+            return job.kv_transport
+        reason = REASON_DISABLED if not self.shm else self._no_shm.get(job.kv_address)
+        if reason is None:
+            return f"{SHM}:{job.kv_transport}"
+        self._fell_back(job.kv_address, reason, "")
+        return job.kv_transport
+
+    def _fell_back(self, peer: str, reason: str, detail: str) -> None:
+        self.fallbacks[reason] += 1
+        if (peer, reason) not in self._logged:
+            self._logged.add((peer, reason))
+            log.warning(
+                "KV to same-host receiver %s goes over the network (%s)%s; counted in "
+                "pdserve_kv_transport_fallbacks_total",
+                peer,
+                reason,
+                f": {detail}" if detail else "",
+            )
+
+    def take_fallbacks(self) -> dict[str, int]:
+        """Fallback counts since the previous call (for vLLM's connector stats)."""
+        counts, self.fallbacks = dict(self.fallbacks), Counter()
+        return counts
 
     # -- inside the forward pass --------------------------------------------------------
     def save_kv_layer(
@@ -63,8 +121,9 @@ class Producer:
 
     def _give_up(self, job: SaveJob) -> None:
         """Abandon a transfer; its blocks are freed once vLLM has finished the request."""
-        if self._sending.pop(job.transfer_id, None) is not None:
-            self._sender(job.kv_transport).cancel(job.transfer_id)
+        sending = self._sending.pop(job.transfer_id, None)
+        if sending is not None:
+            self._sender(sending.kind).cancel(job.transfer_id)
         self._block_ids.pop(job.transfer_id, None)
         self._owned.add(job.req_id)
         self._done.add(job.req_id)
@@ -79,10 +138,10 @@ class Producer:
         # A private copy of this layer's blocks (cheap: ~1% of the layer's compute);
         # the sender's threads ship it while later layers compute.
         blocks = kv_layer.index_select(0, ids)
-        self._sender(job.kv_transport).send_layer(job.transfer_id, idx, blocks)
+        self._sender(sending.kind).send_layer(job.transfer_id, idx, blocks)
         sending.layers_sent += 1
         if sending.layers_sent == len(self._layer_index):
-            self._sender(job.kv_transport).end(job.transfer_id)
+            self._sender(sending.kind).end(job.transfer_id)
 
     def _begin(self, job: SaveJob, kv_layer: torch.Tensor) -> _Sending:
         ids = torch.tensor(job.block_ids, dtype=torch.long, device=kv_layer.device)
@@ -96,10 +155,10 @@ class Producer:
             receiver_epoch=job.decode_epoch,
             receiver_fingerprint=job.decode_fingerprint,
         )
-        sending = _Sending(job, time.monotonic())
+        sending = _Sending(job, time.monotonic(), self._route(job))
         self._sending[job.transfer_id] = sending
         self._owned.add(job.req_id)
-        sender = self._sender(job.kv_transport)
+        sender = self._sender(sending.kind)
         sender.begin(job.kv_address, spec)
         if job.fault == FAULT_CORRUPT_CHUNK and self.allow_faults:
             sender.corrupt_after_checksum(job.transfer_id)
@@ -108,6 +167,11 @@ class Producer:
     # -- after each step ---------------------------------------------------------------
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         self._finished |= finished_req_ids & self._owned
+        for sender in list(self._senders.values()):
+            if isinstance(sender, ShmKVSender):
+                for peer, reason, detail in sender.poll_fallbacks():
+                    self._no_shm[peer] = reason  # later transfers there go straight out
+                    self._fell_back(peer, reason, detail)
         for sender in self._senders.values():
             for outcome in sender.poll_finished():
                 sending = self._sending.pop(outcome.transfer_id, None)
@@ -123,7 +187,7 @@ class Producer:
                 log.warning(
                     "KV transfer %s: lease of %.0f s ran out; freeing its blocks", tid, self.lease_s
                 )
-                self._sender(sending.job.kv_transport).cancel(tid)
+                self._sender(sending.kind).cancel(tid)
                 del self._sending[tid]
                 self._block_ids.pop(tid, None)
                 self._done.add(sending.job.req_id)

@@ -136,6 +136,7 @@ class SchedulerSide:
                     block_ids=list(table[0][: ceil_div(n, self.block_size)]),
                     num_tokens=n,
                     fault=str(params.get("fault", "")),
+                    same_host=params.get("same_host") is True,
                 )
             )
             self._saving.add(rid)

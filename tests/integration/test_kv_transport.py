@@ -30,13 +30,15 @@ from services.kv.transport import (
     frames,
     make_receiver,
     make_sender,
+    make_shm_sender,
+    shm_segments,
     torch_pair,
 )
 from services.kv.transport.frames import FrameKind
 from services.kv.transport.grpc_channel import PAIR, PUSH, channel_options
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(240)  # spawned senders import torch: slow on a busy host
 
 FP = LayoutFingerprint("smollm2-135m", "float32", 16, 4, 3, 64, "cpu:avx2:k-transposed", "0.1.0")
 RX_ID = PeerIdentity("decode-0", 11, FP)
@@ -45,7 +47,14 @@ SHAPE = (2, 3, 16, 128)  # (blocks, kv heads, block size, 2 * head size)
 LAYERS = 4
 LAYER_BYTES = 2 * 3 * 16 * 128 * 4
 CFG = TransportConfig(chunk_bytes=16 << 10, stall_timeout_s=1.0, lease_s=5.0)
-KINDS = ["grpc", "torch"]
+KINDS = ["grpc", "torch", "shm"]
+
+
+def new_sender(kind: str, identity: PeerIdentity = TX_ID, cfg: TransportConfig = CFG) -> Any:
+    """A sender of `kind`; "shm" falls back to a gRPC sender (the producer's pairing)."""
+    if kind == "shm":
+        return make_shm_sender(identity, cfg, make_sender("grpc", identity, cfg))
+    return make_sender(kind, identity, cfg)
 
 
 def kv_layers(seed: int, n: int = LAYERS) -> list[torch.Tensor]:
@@ -105,7 +114,7 @@ def send_all(sender: Any, address: str, tid: str, layers: list[torch.Tensor], **
 
 
 def assert_still_serves(rx: Any, kind: str = "grpc") -> None:
-    tx = make_sender(kind, TX_ID, CFG)
+    tx = new_sender(kind, TX_ID, CFG)
     try:
         layers = kv_layers(99)
         send_all(tx, rx.address, "after-fault", layers)
@@ -118,7 +127,8 @@ def assert_still_serves(rx: Any, kind: str = "grpc") -> None:
 
 @pytest.fixture(scope="module")
 def receivers() -> Iterator[dict[str, Any]]:
-    rxs = {kind: make_receiver(kind, RX_ID, CFG, "127.0.0.1", 0) for kind in KINDS}
+    rxs = {kind: make_receiver(kind, RX_ID, CFG, "127.0.0.1", 0) for kind in ("grpc", "torch")}
+    rxs["shm"] = rxs["grpc"]  # every receiver serves shm on its one address
     yield rxs
     for rx in rxs.values():
         rx.close()
@@ -136,7 +146,7 @@ def rx(receivers: dict[str, Any], kind: str) -> Any:
 
 @pytest.fixture
 def tx(kind: str) -> Iterator[Any]:
-    sender = make_sender(kind, TX_ID, CFG)
+    sender = new_sender(kind, TX_ID, CFG)
     yield sender
     sender.close()
 
@@ -147,7 +157,7 @@ def tx(kind: str) -> Iterator[Any]:
 def sender_process(kind: str, address: str, conn: Any) -> None:
     """A prefill-side process driven over a pipe; module-level so "spawn" can import it."""
     torch.set_num_threads(1)
-    sender = make_sender(kind, TX_ID, CFG)
+    sender = new_sender(kind, TX_ID, CFG)
     conn.send("ready")
     while conn.recv() == "two-concurrent":
         # Interleaved layers of two transfers, as a batch of two prompts produces them.
@@ -184,7 +194,7 @@ def sender_procs(receivers: dict[str, Any]) -> Iterator[dict[str, tuple[Any, Any
         proc.start()
         procs[kind] = (proc, parent)
     for _, conn in procs.values():
-        assert conn.poll(60) and conn.recv() == "ready"
+        assert conn.poll(200) and conn.recv() == "ready"
     yield procs
     for proc, _ in procs.values():
         proc.kill()
@@ -251,7 +261,7 @@ def test_sender_process_killed_midway_fails_within_stall_timeout(
 def test_incompatible_peer_is_refused(
     rx: Any, kind: str, over: dict[str, Any], sender_fp: LayoutFingerprint, expected: str
 ) -> None:
-    sender = make_sender(kind, PeerIdentity("prefill-x", 1, sender_fp), CFG)
+    sender = new_sender(kind, PeerIdentity("prefill-x", 1, sender_fp), CFG)
     try:
         send_all(sender, rx.address, "refused", kv_layers(5), **over)
         outcome = wait_outcome(sender, "refused")
@@ -620,7 +630,7 @@ def test_every_checksum_algorithm_delivers_and_catches_corruption(
     rx: Any, kind: str, algorithm: str
 ) -> None:
     """The receiver verifies with the algorithm the sender's header names."""
-    tx = make_sender(kind, TX_ID, dataclasses.replace(CFG, checksum=algorithm))
+    tx = new_sender(kind, TX_ID, dataclasses.replace(CFG, checksum=algorithm))
     try:
         layers = kv_layers(21)
         send_all(tx, rx.address, f"sum-{algorithm}", layers)
@@ -660,3 +670,83 @@ def test_unknown_checksum_algorithm_is_refused(receivers: dict[str, Any]) -> Non
             rogue.close()
     assert_still_serves(rx)
     assert_still_serves(trx, "torch")
+
+
+# -- same-host shared memory -------------------------------------------------------------------
+
+
+def on_disk(names: set[str]) -> set[str]:
+    return {n for n in names if (shm_segments.SHM_DIR / n).exists()}
+
+
+def test_shm_reuses_one_segment_and_stages_without_a_copy(receivers: dict[str, Any]) -> None:
+    rx = receivers["shm"]
+    tx = new_sender("shm")
+    try:
+        pointers = set()
+        for i in range(3):
+            layers = kv_layers(30 + i)
+            send_all(tx, rx.address, f"shm-{i}", layers)
+            assert wait_outcome(tx, f"shm-{i}").ok
+            got = rx.take(f"shm-{i}")
+            assert got is not None and same_bits(got.layers, layers)
+            assert got.storage is not None and rx.segments.owns(got.storage)
+            pointers.add(got.layers[0].data_ptr())
+            rx.release(got)
+        assert len(pointers) == 1  # the same prefaulted segment every time
+        assert tx.fallback.poll_finished() == [] and tx.poll_fallbacks() == []
+    finally:
+        tx.close()
+        tx.fallback.close()
+
+
+def test_shm_falls_back_to_the_network_when_the_receiver_has_it_off() -> None:
+    rx = make_receiver("grpc", RX_ID, dataclasses.replace(CFG, shm=False), "127.0.0.1", 0)
+    tx = new_sender("shm")
+    try:
+        layers = kv_layers(40)
+        send_all(tx, rx.address, "shm-off", layers)
+        outcome = wait_outcome(tx.fallback, "shm-off")  # the network sender reports it
+        assert outcome.ok and tx.poll_finished() == []
+        [(peer, reason, detail)] = tx.poll_fallbacks()
+        assert (peer, reason) == (rx.address, "receiver_refuses_shm") and "UNIMPLEMENTED" in detail
+        got = rx.take("shm-off")
+        assert got is not None and same_bits(got.layers, layers)
+    finally:
+        tx.close()
+        tx.fallback.close()
+        rx.close()
+
+
+def test_shm_segments_are_unlinked_on_close_and_failed_ones_at_once() -> None:
+    rx = make_receiver("grpc", RX_ID, CFG, "127.0.0.1", 0)
+    tx = new_sender("shm")
+    try:
+        send_all(tx, rx.address, "seg-ok", kv_layers(41))
+        assert wait_outcome(tx, "seg-ok").ok
+        assert rx.take("seg-ok") is not None  # taken and never released: not reused
+        first = rx.segments.names()
+        assert len(on_disk(first)) == 1
+        tx.begin(rx.address, spec_for("seg-fails"))
+        tx.send_layer("seg-fails", 0, kv_layers(42)[0])
+        wait_state(rx, "seg-fails", ReceiveState.RECEIVING, 5)
+        both = rx.segments.names()
+        assert len(on_disk(both)) == 2
+        tx.cancel("seg-fails")
+        wait_state(rx, "seg-fails", ReceiveState.FAILED, 2)
+        assert on_disk(both) == first  # the failed one is unlinked, not pooled
+    finally:
+        tx.close()
+        tx.fallback.close()
+        rx.close()
+    assert on_disk(both) == set()
+
+
+def test_segments_of_a_dead_receiver_are_swept() -> None:
+    ctx = mp.get_context("spawn")
+    proc = ctx.Process(target=time.sleep, args=(0,))
+    proc.start()
+    proc.join(10)
+    stale = shm_segments.SHM_DIR / f"{shm_segments.PREFIX}{proc.pid}-0"
+    stale.write_bytes(b"\0" * 64)
+    assert shm_segments.sweep_stale() >= 1 and not stale.exists()

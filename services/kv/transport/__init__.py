@@ -6,6 +6,8 @@
 * "torch": payloads over a torch.distributed pair group (gloo for CPU tensors, NCCL for
   CUDA tensors), control over one gRPC stream per pair. A "torch" receiver also accepts
   "grpc" transfers.
+* "shm" (same host only): through shared-memory segments the receiver owns; every
+  receiver serves it too (unless its config turns shm off), on the same address.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from services.kv.transport.spec import (
     TransportConfig,
 )
 
-KINDS = ("grpc", "torch")
+KINDS = ("grpc", "torch")  # network transports, named by decode workers
+SHM = "shm"  # same-host transport, chosen by the producer (see make_shm_sender)
 
 __all__ = [
     "KINDS",
@@ -35,6 +38,7 @@ __all__ = [
     "TransportConfig",
     "make_receiver",
     "make_sender",
+    "make_shm_sender",
 ]
 
 
@@ -50,6 +54,15 @@ def make_sender(kind: str, identity: PeerIdentity, config: TransportConfig) -> K
 
         return TorchDistSender(identity, config)
     raise ValueError(f"unknown KV transport {kind!r}; expected one of {', '.join(KINDS)}")
+
+
+def make_shm_sender(
+    identity: PeerIdentity, config: TransportConfig, fallback: KVSender
+) -> KVSender:
+    """A same-host sender; transfers it cannot start over shared memory go to `fallback`."""
+    from services.kv.transport.shm_sender import ShmKVSender
+
+    return ShmKVSender(identity, config, fallback)
 
 
 def make_receiver(

@@ -13,7 +13,8 @@ torch.distributed transport sends HELLO/READY to set up a pair group, then HEADE
 LAYER (per-layer size and checksum; the payload goes over the pair group), END and CANCEL
 on one bidirectional control stream per pair, answered by ACKs. Both are methods of the
 generic-handler service `pdserve.v1.KVTransfer` (Push: client stream of frames -> ACK;
-Pair: bidirectional stream), served without protobuf so payloads are never re-copied.
+Pair: bidirectional stream; Shm: bidirectional stream of HEADER, LAYER..., END answered
+by SEGMENT then ACK), served without protobuf so payloads are never re-copied.
 """
 
 from __future__ import annotations
@@ -68,6 +69,7 @@ class FrameKind(enum.IntEnum):
     READY = 6  # {store_port, prefix}: where to rendezvous for it
     LAYER = 7  # {transfer_id, layer, nbytes, checksum, tag}: a payload follows on the group
     CANCEL = 8  # {transfer_id, reason}: the sender abandons a transfer
+    SEGMENT = 9  # {name, nbytes}: the shared-memory segment to write a transfer into
 
 
 class FrameError(ValueError):

@@ -13,6 +13,7 @@ from services.kv.transport.spec import TransportConfig
 SERVICE = "pdserve.v1.KVTransfer"
 PUSH = f"/{SERVICE}/Push"  # client stream of frames -> one ACK (gRPC transport)
 PAIR = f"/{SERVICE}/Pair"  # bidirectional control stream of a torch pair group
+SHM = f"/{SERVICE}/Shm"  # bidirectional control stream of a same-host transfer
 
 
 def channel_options(config: TransportConfig) -> list[tuple[str, Any]]:

@@ -16,10 +16,12 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 
 from services.kv.fingerprint import PeerIdentity
-from services.kv.transport import frames
+from services.kv.transport import frames, shm_segments
 from services.kv.transport.base import KVReceiver
 from services.kv.transport.frames import ControlFrame, DataFrame, FrameError, FrameKind
 from services.kv.transport.grpc_channel import SERVICE, bind, server_options
+from services.kv.transport.shm_receiver import ShmInbound
+from services.kv.transport.shm_segments import SegmentPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransportConfig
 from services.kv.transport.staging import Refused, Staged, StagingTable, TransferFault
 
@@ -34,6 +36,11 @@ class GrpcKVReceiver(KVReceiver):
     ) -> None:
         self.identity, self.config = identity, config
         self.table = StagingTable(identity, config)
+        # Same-host senders write into shared segments (the Shm method); off by config,
+        # or where /dev/shm is missing, and then such senders fall back to the network.
+        self.segments: SegmentPool | None = None
+        if config.shm and shm_segments.available():
+            self.segments = SegmentPool(config.pool_bytes)
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.max_streams, thread_name_prefix="kv-recv"),
             handlers=[grpc.method_handlers_generic_handler(SERVICE, self._methods())],
@@ -48,7 +55,11 @@ class GrpcKVReceiver(KVReceiver):
         logger.info("KV receiver %s listening on %s", identity.worker_id, self.address)
 
     def _methods(self) -> dict[str, grpc.RpcMethodHandler]:
-        return {"Push": grpc.stream_unary_rpc_method_handler(self._push)}
+        methods = {"Push": grpc.stream_unary_rpc_method_handler(self._push)}
+        if self.segments is not None:
+            shm = ShmInbound(self.table, self.segments)
+            methods["Shm"] = grpc.stream_stream_rpc_method_handler(shm.handle)
+        return methods
 
     def _reap(self) -> None:
         delay = 0.1
@@ -81,6 +92,8 @@ class GrpcKVReceiver(KVReceiver):
         self._stop.set()
         self._server.stop(grace=0.5).wait()
         self.table.clear()
+        if self.segments is not None:
+            self.segments.close()
 
     # -- the Push handler ----------------------------------------------------------------
     def _push(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes:

@@ -113,6 +113,13 @@ class SenderCore(KVSender, Generic[L]):
         if self.complete(out, False, reason, 0):
             self._abort(out)
 
+    def forget(self, out: Outgoing[L]) -> None:
+        """Drop `out` without an outcome: another sender took it over and reports it."""
+        with self._lock:
+            out.done = True
+            if self._active.get(out.spec.transfer_id) is out:
+                del self._active[out.spec.transfer_id]
+
     def release_item(self, item: Item | None) -> None:
         """Give back the queue slot a layer item holds (whoever dequeues it calls this)."""
         if isinstance(item, LayerItem):

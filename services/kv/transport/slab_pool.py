@@ -35,6 +35,10 @@ class SlabPool:
             while self._free and sum(s.numel() for s in self._free) > self.max_bytes:
                 self._free.pop()  # evict the largest
 
+    def retire(self, slab: torch.Tensor) -> None:
+        """A slab that must not be reused (its writer may still be writing): the garbage
+        collector frees it once the writer lets go."""
+
     @property
     def pooled_bytes(self) -> int:
         with self._lock:

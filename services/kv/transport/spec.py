@@ -93,6 +93,7 @@ class TransportConfig:
     device: str = "cpu"  # where the receiver stages layers ("cuda:N" for the NCCL path)
     pool_bytes: int = 1 << 30  # staging memory kept for reuse: fresh pages cost page faults
     checksum: str = DEFAULT_CHECKSUM  # what this sender computes (see checksum.py)
+    shm: bool = True  # receiver: accept same-host transfers through shared memory
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:

@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -26,6 +27,16 @@ from services.kv.transport.slab_pool import SlabPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransferSpec, TransportConfig
 
 logger = logging.getLogger(__name__)
+
+
+class Pool(Protocol):
+    """Where staging memory comes from: `SlabPool` (private) or `SegmentPool` (shared)."""
+
+    def get(self, nbytes: int) -> torch.Tensor: ...
+
+    def put(self, slab: torch.Tensor) -> None: ...
+
+    def retire(self, slab: torch.Tensor) -> None: ...
 
 
 class Refused(Exception):
@@ -64,6 +75,7 @@ class Staged:
     on_stall: Callable[[], None] | None = None  # stops the stream when the reaper fails it
     slab: torch.Tensor | None = None  # pooled memory under `layers`
     checksum: str = checksum.DEFAULT  # the algorithm the sender named in its header
+    pool: Pool | None = None  # where `slab` came from and goes back to
 
 
 class StagingTable:
@@ -82,6 +94,7 @@ class StagingTable:
         self._staged_bytes = 0
         self._cond = threading.Condition()
         self.pool = SlabPool(torch.device(config.device), config.pool_bytes)
+        self._lent: dict[int, Pool] = {}  # data_ptr of a taken transfer's slab -> its pool
 
     # -- opening ---------------------------------------------------------------------
     def refusal(self, sender: PeerIdentity, spec: TransferSpec) -> str | None:
@@ -110,6 +123,7 @@ class StagingTable:
         spec: TransferSpec,
         algorithm: str,
         on_stall: Callable[[], None] | None = None,
+        pool: Pool | None = None,
     ) -> Staged:
         """Accept a header and allocate its buffers; raises Refused with the reason."""
         reason = self.refusal(sender, spec)
@@ -129,20 +143,21 @@ class StagingTable:
                     f"> {self.config.max_staged_bytes}"
                 )
             self._staged_bytes += need
+        pool = pool or self.pool
         try:
-            slab = self.pool.get(need)
+            slab = pool.get(need)
             step = spec.layer_nbytes
             layers = [
                 slab[i * step : (i + 1) * step].view(spec.dtype).view(spec.layer_shape)
                 for i in range(spec.num_layers)
             ]
-        except (RuntimeError, ValueError) as e:  # out of memory, bad device
+        except (RuntimeError, ValueError, OSError) as e:  # out of memory, bad device
             with self._cond:
                 self._staged_bytes -= need
             raise Refused(f"cannot allocate {need} staging bytes: {e}") from None
         now = self._clock()
         st = Staged(spec, sender, layers, [None] * spec.num_layers, now, time.time(), now)
-        st.slab = slab
+        st.slab, st.pool = slab, pool
         st.filled = [0] * spec.num_layers
         st.next_chunk = [0] * spec.num_layers
         st.on_stall = on_stall
@@ -279,6 +294,8 @@ class StagingTable:
                 return None
             del self._items[transfer_id]
             self._staged_bytes -= st.spec.total_nbytes
+            if st.slab is not None and st.pool is not None:
+                self._lent[st.slab.data_ptr()] = st.pool
         return ReceivedKV(
             spec=st.spec,
             layers=st.layers,
@@ -295,15 +312,18 @@ class StagingTable:
     def release(self, kv: ReceivedKV) -> None:
         """Return a taken transfer's slab to the pool (its layers become invalid)."""
         if kv.storage is not None:
-            self.pool.put(kv.storage)
+            with self._cond:
+                pool = self._lent.pop(kv.storage.data_ptr(), self.pool)
+            pool.put(kv.storage)
         kv.layers, kv.storage = [], None
 
     def discard(self, transfer_id: str) -> None:
         with self._cond:
             st = self._items.pop(transfer_id, None)
             if st is not None:
-                if st.state is ReceiveState.COMPLETE and st.slab is not None:
-                    self.pool.put(st.slab)  # its writer is done: safe to reuse
+                if st.state is ReceiveState.COMPLETE and st.slab is not None and st.pool:
+                    st.pool.put(st.slab)  # its writer is done: safe to reuse
+                    st.slab = None
                 if st.state is ReceiveState.RECEIVING:
                     st.state, st.error = ReceiveState.FAILED, "discarded by the receiver"
                 self._drop(st)
@@ -342,8 +362,9 @@ class StagingTable:
                         next_due = min(next_due, cfg.stall_timeout_s - idle)
                 elif now >= st.expires:
                     if st.state is ReceiveState.COMPLETE:
-                        if st.slab is not None:  # its writer is done: safe to reuse
-                            self.pool.put(st.slab)
+                        if st.slab is not None and st.pool:  # writer done: reuse it
+                            st.pool.put(st.slab)
+                            st.slab = None
                         logger.warning(
                             "KV transfer %s not taken within %.1fs lease; dropped", tid, cfg.lease_s
                         )
@@ -370,6 +391,8 @@ class StagingTable:
         not pooled: its stream may still be writing into it."""
         if st.layers:
             self._staged_bytes -= st.spec.total_nbytes
+            if st.slab is not None and st.pool is not None:
+                st.pool.retire(st.slab)
             st.layers, st.views, st.slab = [], [], None
 
     def _drop(self, st: Staged) -> None:

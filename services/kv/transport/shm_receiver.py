@@ -1,0 +1,77 @@
+"""The receiving side of the same-host transport: the Shm method of a KV receiver.
+
+One bidirectional stream per transfer, on the receiver's one gRPC server (so the decode
+worker keeps one `kv_address`): HEADER -> SEGMENT {name, nbytes} (a segment from the
+receiver's `SegmentPool`, which the transfer's staged layers are views of), then per
+layer LAYER {transfer_id, layer, nbytes, checksum} once the sender has copied that layer
+into the segment, then END -> ACK. The receiver verifies each layer's checksum over the
+segment (native code, GIL released) and never copies the payload: the connector's copy
+into the paged cache is the one copy out. Any failure ends the stream with a status.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+
+from services.kv.transport import checksum, frames
+from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
+from services.kv.transport.shm_segments import SegmentPool
+from services.kv.transport.staging import Refused, Staged, StagingTable, TransferFault
+
+
+class ShmInbound:
+    """Serves Shm streams into `table`, staging in segments of `segments`."""
+
+    def __init__(self, table: StagingTable, segments: SegmentPool) -> None:
+        self.table, self.segments = table, segments
+
+    def handle(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        st: Staged | None = None
+        try:
+            first = next(requests, None)
+            frame = frames.decode_frame(first) if first is not None else None
+            if not isinstance(frame, ControlFrame) or frame.kind is not FrameKind.HEADER:
+                raise FrameError("a shm stream must start with HEADER")
+            sender, spec, algorithm = frames.decode_header(frame.body)
+            st = self.table.open(sender, spec, algorithm, context.cancel, self.segments)
+            assert st.slab is not None
+            body = {"name": self.segments.name_of(st.slab), "nbytes": spec.total_nbytes}
+            yield frames.encode_control(FrameKind.SEGMENT, body)
+            for raw in requests:
+                frame = frames.decode_frame(raw)
+                if not isinstance(frame, ControlFrame):
+                    raise FrameError("DATA frames do not belong on a shm stream")
+                if frame.kind is FrameKind.LAYER:
+                    self._verify(st, frame.body)
+                elif frame.kind is FrameKind.END:
+                    chunks = frames.field(frame.body, "chunks", int)
+                    nbytes = frames.field(frame.body, "nbytes", int)
+                    got = self.table.finish(st, chunks, nbytes)
+                    yield frames.encode_ack(spec.transfer_id, True, None, got)
+                    return
+                else:
+                    raise FrameError(f"unexpected {frame.kind.name} frame on a shm stream")
+            raise TransferFault("truncated: stream ended before the end frame", data_loss=True)
+        except Refused as e:
+            code, reason = grpc.StatusCode.FAILED_PRECONDITION, f"refused: {e}"
+        except TransferFault as e:
+            code = grpc.StatusCode.DATA_LOSS if e.data_loss else grpc.StatusCode.INVALID_ARGUMENT
+            reason = str(e)
+        except FrameError as e:
+            code, reason = grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {e}"
+        except grpc.RpcError:
+            code, reason = grpc.StatusCode.CANCELLED, "stream dropped: sender gone or cancelled"
+        self.table.fail(st, reason)
+        context.abort(code, reason)
+
+    def _verify(self, st: Staged, body: dict[str, Any]) -> None:
+        layer = frames.field(body, "layer", int)
+        nbytes = frames.field(body, "nbytes", int)
+        value = frames.field(body, "checksum", int)
+        buf = self.table.layer_buffer(st, layer, nbytes)
+        if checksum.digest(st.checksum, frames.byte_view(buf)) != value:
+            raise TransferFault(f"checksum mismatch in layer {layer}", data_loss=True)
+        self.table.layer_received(st, layer)
