@@ -274,7 +274,8 @@ async def test_crashed_worker_is_restarted_with_a_new_epoch(up: Up, tokenizer) -
     before = scrape(restarted.metrics_port).get(metric, 0.0)
     async with up.dial(restarted.address) as channel:
         async for _ in wpb_grpc.DecodeServiceStub(channel).Decode(wpb.DecodeRequest(
-                prompt_token_ids=[1, 2, 3, 4], first_token_id=5,
+                request_id="handle-of-an-old-epoch", prompt_token_ids=[1, 2, 3, 4],
+                first_token_id=5,
                 sampling=pb.SamplingParams(max_tokens=2, temperature=0.0),
                 handle=wpb.TransferHandle(transfer_id="from-before", num_tokens=4,
                                           decode_epoch=old.epoch))):
