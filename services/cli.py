@@ -12,6 +12,7 @@ from typing import Any
 
 from services.api.server import ServerConfig
 from services.engine.config import EngineConfig
+from services.registry.config import ClusterStateConfig
 from services.router.config import RouterConfig
 from services.router.local import add_disagg_arguments
 from services.settings import add_arguments, from_arguments
@@ -101,8 +102,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
         return 1
     reap_children_on_exit()
     try:
-        asyncio.run(run_worker(args.role, engine_cfg, server_cfg, worker_cfg))
-    except ModelPrepareError as e:
+        asyncio.run(run_worker(args.role, engine_cfg, server_cfg, worker_cfg,
+                               cluster=from_arguments(ClusterStateConfig, args)))
+    except (ModelPrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -117,7 +119,8 @@ def cmd_router(args: argparse.Namespace) -> int:
     if not _security_ok(server_cfg):
         return 1
     try:
-        asyncio.run(run_router(server_cfg, from_arguments(RouterConfig, args)))
+        asyncio.run(run_router(server_cfg, from_arguments(RouterConfig, args),
+                               cluster=from_arguments(ClusterStateConfig, args)))
     except (ModelPrepareError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -129,7 +132,8 @@ def cmd_up(args: argparse.Namespace) -> int:
 
     stack = Stack(from_arguments(LauncherConfig, args), from_arguments(EngineConfig, args),
                   from_arguments(ServerConfig, args), from_arguments(WorkerConfig, args),
-                  from_arguments(RouterConfig, args))
+                  from_arguments(RouterConfig, args),
+                  cluster=from_arguments(ClusterStateConfig, args))
     if not _security_ok(stack.server):
         return 1
     asyncio.run(run_up(stack))
@@ -142,7 +146,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
     update = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode))
               if v is not None}
     try:
-        want = asyncio.run(set_desired(args.redis_url, update))
+        want = asyncio.run(set_desired(args.redis_url, update, args.cluster_secret_file))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -154,7 +158,7 @@ def cmd_down(args: argparse.Namespace) -> int:
     from services.launcher.up import set_desired
 
     try:
-        asyncio.run(set_desired(args.redis_url, {"down": True}))
+        asyncio.run(set_desired(args.redis_url, {"down": True}, args.cluster_secret_file))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -287,11 +291,13 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(worker, EngineConfig)
         add_arguments(worker, ServerConfig)
         add_arguments(worker, WorkerConfig)
+        add_arguments(worker, ClusterStateConfig)
         worker.set_defaults(func=cmd_worker, role=role)
 
     router = sub.add_parser("router", help="the router: the public API in front of prefill "
                             "and decode pools registered in Redis")
     add_arguments(router, RouterConfig)
+    add_arguments(router, ClusterStateConfig)
     add_arguments(router, ServerConfig)
     router.set_defaults(func=cmd_router)
 
@@ -305,16 +311,21 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up, EngineConfig)
     add_arguments(up, WorkerConfig, exclude=("redis_url", "worker_id"))
     add_arguments(up, ServerConfig)
+    add_arguments(up, ClusterStateConfig)
     up.set_defaults(func=cmd_up)
 
     scale = sub.add_parser("scale", help="change the pool sizes of a running `pdserve up`")
     scale.add_argument("--prefill", type=int, default=None, help="prefill workers")
     scale.add_argument("--decode", type=int, default=None, help="decode workers")
+    scale.add_argument("--cluster-secret-file", default="", help="the stack's cluster "
+                       "secret (default: $PDSERVE_CLUSTER_SECRET[_FILE], or the local stack's)")
     scale.add_argument("--redis-url", default="", help="the stack's Redis; default: the "
                        "local stack's")
     scale.set_defaults(func=cmd_scale)
 
     down = sub.add_parser("down", help="stop a running `pdserve up`")
+    down.add_argument("--cluster-secret-file", default="", help="the stack's cluster "
+                       "secret (default: $PDSERVE_CLUSTER_SECRET[_FILE], or the local stack's)")
     down.add_argument("--redis-url", default="", help="the stack's Redis; default: the "
                       "local stack's")
     down.set_defaults(func=cmd_down)

@@ -13,12 +13,13 @@ def settings_models() -> list[type[BaseSettings]]:
     from services.api.server import ServerConfig
     from services.engine.config import EngineConfig
     from services.launcher.up import LauncherConfig
+    from services.registry.config import ClusterStateConfig
     from services.router.config import RouterConfig
     from services.router.local import LocalPairConfig
     from services.worker.config import WorkerConfig
 
     return [ServerConfig, EngineConfig, WorkerConfig, RouterConfig, LauncherConfig,
-            LocalPairConfig]
+            LocalPairConfig, ClusterStateConfig]
 
 
 def markdown_reference() -> str:

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from services.api.server import ServerConfig, generation_service, serve
 from services.engine.model import resolve_model
 from services.observability import tracing
+from services.registry.config import ClusterStateConfig
 from services.registry.registry import Registry
 from services.router.config import RouterConfig
 from services.router.router import RouterBackend
@@ -18,7 +19,8 @@ log = logging.getLogger(__name__)
 
 
 async def run_router(server_cfg: ServerConfig, config: RouterConfig,
-                     on_ready: Callable[[int], None] | None = None) -> None:
+                     on_ready: Callable[[int], None] | None = None,
+                     cluster: ClusterStateConfig | None = None) -> None:
     """Serve the public API over the workers registered in `config.redis_url` until
     SIGTERM/SIGINT; `on_ready` gets the bound gRPC port."""
     from transformers import AutoTokenizer
@@ -30,7 +32,10 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     tracing.setup_from(server_cfg, "pdserve-router")
     model_path = resolve_model(config.router_model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
-    registry = Registry.from_url(config.redis_url)
+    # Built before anything slow, so a missing cluster secret fails at once.
+    signer = (cluster or ClusterStateConfig()).signer("router")  # type: ignore[call-arg]
+    registry = Registry.from_url(config.redis_url, signer=signer,
+                                 client_lease_s=config.client_lease_s)
     backend = RouterBackend(config, registry, tokenizer, str(model_path))
     try:
         log.info("waiting for workers to register in %s", config.redis_url)

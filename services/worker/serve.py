@@ -14,6 +14,7 @@ from services.api.server import Bound, ServerConfig, Service, serve
 from services.engine.config import EngineConfig
 from services.errors import EngineDead
 from services.observability import tracing
+from services.registry.config import ClusterStateConfig
 from services.registry.heartbeat import heartbeat_forever
 from services.registry.registry import Registry
 from services.rpc import local_host, use_internal_tls
@@ -38,12 +39,15 @@ async def _watch_engine(worker: Worker, died: asyncio.Event, stop: asyncio.Event
 
 
 async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerConfig,
-                     config: WorkerConfig, on_ready: Callable[[int], None] | None = None
-                     ) -> None:
+                     config: WorkerConfig, on_ready: Callable[[int], None] | None = None,
+                     cluster: ClusterStateConfig | None = None) -> None:
     """Serve until SIGTERM/SIGINT. Raises `EngineDead` when the engine died, after the
     worker turned NOT_SERVING and removed its record, so that its supervisor (Ray, a
     Kubernetes restart policy) starts a new one."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+    # The signer first: a missing cluster secret fails before the engine spends a minute.
+    signer = (cluster or ClusterStateConfig()).signer(  # type: ignore[call-arg]
+        f"{role} worker") if config.redis_url else None
     # Before the engine starts: its KV connector takes the internal TLS files from here.
     use_internal_tls(internal_tls(server_cfg))
     worker = Worker.start(role, engine_cfg, config)
@@ -54,8 +58,8 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
                                if role == "prefill" else [decode_service(worker)])
     banner = (f"pdserve {role} worker {worker.identity.worker_id} (epoch "
               f"{worker.identity.epoch}, layout {worker.fingerprint.digest()})")
-    registry = Registry.from_url(config.redis_url, ttl_s=config.worker_ttl_s) if (
-        config.redis_url) else None
+    registry = Registry.from_url(config.redis_url, ttl_s=config.worker_ttl_s,
+                                 signer=signer) if config.redis_url else None
     stop, died = asyncio.Event(), asyncio.Event()
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(_watch_engine(worker, died, stop))]
 

@@ -20,11 +20,20 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.api.client import PdserveClient, build_request, collect
 from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry
+from services.registry.signing import RecordSigner
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import ServerProcess, scrape
 from tests.helpers.streams import reference, streams_through
 
 pytestmark = pytest.mark.engine
+
+
+# The pool's cluster secret: workers sign their records with it, routers check them.
+SECRET = "router-tests-cluster-secret"
+
+
+def registry_of(redis: RedisServer) -> Registry:
+    return Registry.from_url(redis.url, signer=RecordSigner(SECRET.encode()))
 
 
 class Pool:
@@ -38,14 +47,16 @@ class Pool:
         proc = ServerProcess(
             ["--redis-url", self.redis.url, "--worker-id", name, "--cpu-cores", cores,
              "--kv-cache-gib", "1", "--worker-ttl-s", "3"],
-            self.workdir / f"{name}.log", command=role)
+            self.workdir / f"{name}.log", command=role,
+            env={"PDSERVE_CLUSTER_SECRET": SECRET})
         proc.start()
         self.workers[name] = proc
         return proc
 
     def router(self, *extra: str) -> ServerProcess:
         proc = ServerProcess(["--redis-url", self.redis.url, *extra],
-                             self.workdir / f"router-{len(self.routers)}.log", command="router")
+                             self.workdir / f"router-{len(self.routers)}.log", command="router",
+                             env={"PDSERVE_CLUSTER_SECRET": SECRET})
         proc.start()
         self.routers.append(proc)
         return proc
@@ -151,7 +162,7 @@ async def test_killed_prefill_worker_drops_out_and_requests_still_succeed(
     victim = pool.workers["prefill-b"]
     assert victim.proc is not None
     os.killpg(victim.proc.pid, signal.SIGKILL)
-    registry = Registry.from_url(redis.url)
+    registry = registry_of(redis)
     try:
         deadline = time.monotonic() + 10
         while any(w.worker_id == "prefill-b" for w in await registry.workers()):
@@ -174,7 +185,7 @@ async def test_registry_rebuilds_after_a_redis_restart(pool: Pool, redis: RedisS
         r = await client.generate(token_ids=[1, 2, 3, 4], temperature=0.0, max_tokens=2)
         assert r.completion_tokens == 2
     redis.start()  # same port, empty: the heartbeats fill it again
-    registry = Registry.from_url(redis.url)
+    registry = registry_of(redis)
     try:
         deadline = time.monotonic() + 15
         while {w.worker_id for w in await registry.workers()} != {"prefill-a", "decode-a"}:

@@ -46,7 +46,9 @@ async def traced(model_path: Path, session_dir: Path, receiver: OtlpReceiver,
     stack = DisaggStack.create(session_dir / "disagg-traced.log", "grpc")
     stack.server.args += ["--otlp-traces-endpoint", receiver.endpoint,
                           "--otlp-sampling-ratio", "1", "--redis-url", redis.url]
-    stack.server.env = {"OTEL_BSP_SCHEDULE_DELAY": "100"}
+    stack.server.env = {"OTEL_BSP_SCHEDULE_DELAY": "100",
+                        # the workers sign their records in Redis
+                        "PDSERVE_CLUSTER_SECRET": "tracing-tests-cluster-secret"}
     stack.server.start()
     try:
         await stack.server.wait_ready(timeout=600)

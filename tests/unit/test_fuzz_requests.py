@@ -116,5 +116,5 @@ def test_any_openai_body(body: dict[str, Any], chat: bool) -> None:
 
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 1e30, 2.01])
 def test_vllm_limits_on_temperature(value: float) -> None:
-    with pytest.raises(ClientError, match="sampling.temperature"):
+    with pytest.raises(ClientError, match=r"sampling\.temperature"):
         v.check_sampling(pb.SamplingParams(temperature=value), LIMITS)
