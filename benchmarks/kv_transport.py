@@ -8,6 +8,10 @@ receiver's ack, i.e. everything is received, verified and staged. All layers are
 over at once (no model compute to overlap with), so this is the transport alone.
 
     python benchmarks/kv_transport.py --rounds 5 --json kv-transport.json
+
+"shm" is the same-host transport (the receiver is the same kind of gRPC receiver, which
+serves shm on its address). Each checksum algorithm is also timed alone over the payload
+(1 thread), and `--checksum` picks what the transports' senders compute.
 """
 
 from __future__ import annotations
@@ -32,7 +36,14 @@ except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.transport import TransferSpec, TransportConfig, make_receiver, make_sender
+from services.kv.transport import (
+    TransferSpec,
+    TransportConfig,
+    checksum,
+    make_receiver,
+    make_sender,
+    make_shm_sender,
+)
 from services.kv.transport.frames import byte_view
 
 FP = LayoutFingerprint("smollm2-135m", "float32", 128, 30, 3, 64, "bench", "bench")
@@ -46,7 +57,8 @@ def cpu_seconds() -> float:
 def receiver_main(kind: str, config: TransportConfig, conn: Any) -> None:
     """Child process: serve, and hand back each transfer's timing when asked."""
     torch.set_num_threads(1)
-    rx = make_receiver(kind, PeerIdentity("bench-decode", 1, FP), config, "127.0.0.1", 0)
+    rx_kind = "grpc" if kind == "shm" else kind
+    rx = make_receiver(rx_kind, PeerIdentity("bench-decode", 1, FP), config, "127.0.0.1", 0)
     conn.send(rx.address)
     while True:
         msg = conn.recv()
@@ -83,6 +95,21 @@ def bench_memcpy(nbytes: int, rounds: int) -> dict[str, Any]:
     return {"times_s": times}
 
 
+def bench_checksums(layers: list[torch.Tensor], rounds: int) -> dict[str, Any]:
+    """Each algorithm over the whole payload, layer by layer, on this thread."""
+    views = [byte_view(t) for t in layers]
+    out: dict[str, Any] = {}
+    for name in checksum.ALGORITHMS:
+        times = []
+        for _ in range(rounds + 1):
+            t0 = time.perf_counter()
+            for v in views:
+                checksum.digest(name, v)
+            times.append(time.perf_counter() - t0)
+        out[name] = {"times_s": times[1:]}
+    return out
+
+
 def bench_transport(
     kind: str, layers: list[torch.Tensor], config: TransportConfig, rounds: int, warmup: int
 ) -> dict[str, Any]:
@@ -91,7 +118,11 @@ def bench_transport(
     proc = ctx.Process(target=receiver_main, args=(kind, config, child), daemon=True)
     proc.start()
     address = parent.recv()
-    sender = make_sender(kind, PeerIdentity("bench-prefill", 1, FP), config)
+    me = PeerIdentity("bench-prefill", 1, FP)
+    if kind == "shm":
+        sender = make_shm_sender(me, config, make_sender("grpc", me, config))
+    else:
+        sender = make_sender(kind, me, config)
     expected_crc = 0
     for layer in layers:
         expected_crc = zlib.crc32(byte_view(layer), expected_crc)
@@ -151,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--transports",
-        default="grpc,torch",
-        help="comma-separated transports to measure (default: grpc,torch)",
+        default="grpc,torch,shm",
+        help="comma-separated transports to measure (default: grpc,torch,shm)",
     )
     p.add_argument("--layers", type=int, default=30, help="layers per transfer (default 30)")
     p.add_argument(
@@ -176,6 +207,12 @@ def main(argv: list[str] | None = None) -> int:
         default=1 << 20,
         help="gRPC data frame payload size (default 1 MiB)",
     )
+    p.add_argument(
+        "--checksum",
+        default=checksum.DEFAULT,
+        choices=checksum.ALGORITHMS,
+        help=f"what the senders compute (default {checksum.DEFAULT})",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -185,10 +222,13 @@ def main(argv: list[str] | None = None) -> int:
     layers = [torch.randn(shape).to(dtype) for _ in range(args.layers)]
     nbytes = sum(t.numel() * t.element_size() for t in layers)
     config = TransportConfig(
-        chunk_bytes=args.chunk_bytes, max_message_bytes=max(8 << 20, args.chunk_bytes + (1 << 20))
+        chunk_bytes=args.chunk_bytes,
+        max_message_bytes=max(8 << 20, args.chunk_bytes + (1 << 20)),
+        checksum=args.checksum,
     )
 
     results: dict[str, Any] = {"memcpy": bench_memcpy(nbytes, max(args.rounds, 5))}
+    sums = bench_checksums(layers, max(args.rounds, 5))
     for kind in args.transports.split(","):
         results[kind] = bench_transport(kind, layers, config, args.rounds, args.warmup)
 
@@ -220,6 +260,12 @@ def main(argv: list[str] | None = None) -> int:
             f"| {label} | {gbps:.2f} | {gbps / ref:.2f} | {med * 1e3:.1f} | {lo:.1f} "
             f"| {hi:.1f} | {cpu[0]} | {cpu[1]} |"
         )
+    print("\n| checksum (1 thread) | GB/s | x memcpy |\n| --- | --- | --- |")
+    for name, r in sums.items():
+        gbps = nbytes / statistics.median(r["times_s"]) / 1e9
+        r.update(gb_per_s=gbps, x_memcpy=gbps / ref)
+        print(f"| {name} | {gbps:.2f} | {gbps / ref:.2f} |")
+    results["checksums"] = sums
     if args.json:
         meta = {
             "payload_bytes": nbytes,
@@ -229,6 +275,7 @@ def main(argv: list[str] | None = None) -> int:
             "rounds": args.rounds,
             "warmup": args.warmup,
             "chunk_bytes": args.chunk_bytes,
+            "checksum": args.checksum,
             "torch": torch.__version__,
         }
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
