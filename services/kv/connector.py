@@ -19,6 +19,8 @@ that is missing takes the default shown):
   ship to a decode worker whose `same_host` param is set through shm (else over the
   network, counted in `pdserve_kv_transport_fallbacks_total{reason}`); on a decode
   worker: accept shm transfers on the receiver's address.
+* `header_timeout_s` (float, 10.0): a KV stream whose first frame has not arrived by
+  then is cancelled, so idle connections cannot hold the receiver's handler threads.
 * `max_streams` (int, 32): inbound streams (transfers and torch pairs) the receiver
   serves at once; one more is refused at once with RESOURCE_EXHAUSTED.
 """
@@ -78,6 +80,7 @@ class ConnectorSettings:
     checksum: str = "crc32c"  # both: the algorithm this worker's sender computes
     max_streams: int = 32  # consumer: inbound streams served at once
     shm: bool = True  # both: same-host transfers through shared memory
+    header_timeout_s: float = 10.0  # consumer: longest wait for a stream's first frame
     allow_faults: bool = False  # fault injection (tests, failure drills)
 
     @classmethod
@@ -120,6 +123,7 @@ class PdserveConnector(KVConnectorBase_V1):
             checksum=s.checksum,
             max_streams=int(s.max_streams),
             shm=bool(s.shm),
+            header_timeout_s=float(s.header_timeout_s),
         )
         if self.is_producer:
             self.producer = Producer(identity, config, s.lease_s, s.allow_faults, bool(s.shm))

@@ -35,7 +35,7 @@ from services.kv.transport import (
     torch_pair,
 )
 from services.kv.transport.frames import FrameKind
-from services.kv.transport.grpc_channel import PAIR, PUSH, channel_options
+from services.kv.transport.grpc_channel import PAIR, PUSH, SHM, channel_options
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
 
 pytestmark = pytest.mark.timeout(240)  # spawned senders import torch: slow on a busy host
@@ -750,3 +750,33 @@ def test_segments_of_a_dead_receiver_are_swept() -> None:
     stale = shm_segments.SHM_DIR / f"{shm_segments.PREFIX}{proc.pid}-0"
     stale.write_bytes(b"\0" * 64)
     assert shm_segments.sweep_stale() >= 1 and not stale.exists()
+
+
+# -- receiver hardening ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", [PUSH, PAIR, SHM])
+def test_a_stream_without_a_header_is_cut_off(method: str) -> None:
+    cfg = dataclasses.replace(CFG, header_timeout_s=0.5)
+    rx = make_receiver("torch", RX_ID, cfg, "127.0.0.1", 0)
+    gate = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        gate.wait(20)
+        yield from ()
+
+    try:
+        with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                if method == PUSH:
+                    channel.stream_unary(method)(nothing(), timeout=15)
+                else:
+                    list(channel.stream_stream(method)(nothing(), timeout=15))
+            took = time.monotonic() - t0
+            gate.set()
+        assert err.value.code() is grpc.StatusCode.CANCELLED and took < 10
+        assert_still_serves(rx)
+    finally:
+        gate.set()
+        rx.close()

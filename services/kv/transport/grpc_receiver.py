@@ -57,9 +57,20 @@ class GrpcKVReceiver(KVReceiver):
     def _methods(self) -> dict[str, grpc.RpcMethodHandler]:
         methods = {"Push": grpc.stream_unary_rpc_method_handler(self._push)}
         if self.segments is not None:
-            shm = ShmInbound(self.table, self.segments)
+            shm = ShmInbound(self.table, self.segments, self.first_frame)
             methods["Shm"] = grpc.stream_stream_rpc_method_handler(shm.handle)
         return methods
+
+    def first_frame(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> bytes | None:
+        """A stream's first frame, or None; a peer that sends nothing within
+        `header_timeout_s` has its stream cancelled, so idle streams cannot hold the
+        handler threads."""
+        timer = threading.Timer(self.config.header_timeout_s, context.cancel)
+        timer.start()
+        try:
+            return next(requests, None)
+        finally:
+            timer.cancel()
 
     def _reap(self) -> None:
         delay = 0.1
@@ -100,7 +111,7 @@ class GrpcKVReceiver(KVReceiver):
         st: Staged | None = None
         peer = context.peer()
         try:
-            first = next(requests, None)
+            first = self.first_frame(requests, context)
             if first is None:
                 code, reason = grpc.StatusCode.INVALID_ARGUMENT, "empty stream: no header"
             else:

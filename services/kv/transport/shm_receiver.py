@@ -11,7 +11,7 @@ into the paged cache is the one copy out. Any failure ends the stream with a sta
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -25,13 +25,18 @@ from services.kv.transport.staging import Refused, Staged, StagingTable, Transfe
 class ShmInbound:
     """Serves Shm streams into `table`, staging in segments of `segments`."""
 
-    def __init__(self, table: StagingTable, segments: SegmentPool) -> None:
-        self.table, self.segments = table, segments
+    def __init__(
+        self,
+        table: StagingTable,
+        segments: SegmentPool,
+        first_frame: Callable[[Iterator[bytes], grpc.ServicerContext], bytes | None],
+    ) -> None:
+        self.table, self.segments, self.first_frame = table, segments, first_frame
 
     def handle(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         st: Staged | None = None
         try:
-            first = next(requests, None)
+            first = self.first_frame(requests, context)
             frame = frames.decode_frame(first) if first is not None else None
             if not isinstance(frame, ControlFrame) or frame.kind is not FrameKind.HEADER:
                 raise FrameError("a shm stream must start with HEADER")

@@ -94,6 +94,7 @@ class TransportConfig:
     pool_bytes: int = 1 << 30  # staging memory kept for reuse: fresh pages cost page faults
     checksum: str = DEFAULT_CHECKSUM  # what this sender computes (see checksum.py)
     shm: bool = True  # receiver: accept same-host transfers through shared memory
+    header_timeout_s: float = 10.0  # receiver: a stream without its first frame by then ends
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:

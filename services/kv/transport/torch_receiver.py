@@ -64,7 +64,7 @@ class TorchDistReceiver(GrpcKVReceiver):
         pair: PairIn | None = None
         reason, code = "control stream closed by the sender", None
         try:
-            first = next(requests, None)
+            first = self.first_frame(requests, context)
             hello = frames.decode_frame(first) if first is not None else None
             if not isinstance(hello, ControlFrame) or hello.kind is not FrameKind.HELLO:
                 raise FrameError("a pair stream must start with HELLO")
