@@ -11,7 +11,6 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.bench import plots
 from services.bench.metrics import ANATOMY_SEGMENTS
 from services.bench.records import RequestRecord
 from services.bench.report import read_records_jsonl, render_html
@@ -86,6 +85,8 @@ def compare_plots(a_path: Path, b_path: Path, a: dict[str, Any], b: dict[str, An
                   out_dir: Path) -> list[Path]:
     """Side-by-side bars per paired run, anatomy bars, and CDF overlays when each summary
     has its requests.jsonl beside it."""
+    from services.bench import plots  # matplotlib: only when plots are drawn
+
     out_dir.mkdir(parents=True, exist_ok=True)
     drawn: list[Path] = []
     for k, (run_a, run_b) in enumerate(pair_runs(a, b)):

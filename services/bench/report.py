@@ -22,7 +22,6 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.bench import plots
 from services.bench.metrics import ANATOMY_SEGMENTS, SLOs, itls, summarize, tpot
 from services.bench.records import RequestRecord, ServerTimings
 from services.bench.runner import RunResult
@@ -165,6 +164,8 @@ def _num(value: float | None) -> str:
 
 def draw_plots(out_dir: Path, runs: Sequence[tuple[str, Sequence[RequestRecord]]],
                summaries: Sequence[dict[str, Any]]) -> list[Path]:
+    from services.bench import plots  # matplotlib: only when plots are drawn
+
     plot_dir = out_dir / "plots"
     plot_dir.mkdir(parents=True, exist_ok=True)
     drawn = [
