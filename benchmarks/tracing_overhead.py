@@ -157,6 +157,7 @@ def router(args: argparse.Namespace) -> dict[str, Any]:
             # Unsigned records, as the router benchmark's plain mode: its simulated workers
             # write records without heartbeat times, which signed reads refuse as stale.
             env["PDSERVE_CLUSTER_SECRET"] = ""
+            env["PDSERVE_ALLOW_UNSIGNED_RECORDS"] = "true"
             if mode == "on":
                 env["OTEL_EXPORTER_OTLP_TRACES_ENDPOINT"] = endpoint
             path = out / f"router-{mode}-{i}.json"
