@@ -97,13 +97,15 @@ def simulated_workers(redis_url: str, pace_s: float, ready: Any,
                       vocab_size=49152, dtype="float32")
         for role in ("prefill", "decode"):
             await registry.heartbeat(WorkerRecord(worker_id=f"sim-{role}", role=role,
-                                                  kv_address="127.0.0.1:1", **common))
+                                                  kv_address="127.0.0.1:1",
+                                                  updated=time.time(), **common))
         ready.put(port)
         while True:  # keep the registrations alive
             await asyncio.sleep(5)
             for role in ("prefill", "decode"):
                 await registry.heartbeat(WorkerRecord(worker_id=f"sim-{role}", role=role,
-                                                      kv_address="127.0.0.1:1", **common))
+                                                      kv_address="127.0.0.1:1",
+                                                      updated=time.time(), **common))
 
     asyncio.run(main())
 
