@@ -63,7 +63,8 @@ def test_producer_ships_all_prompt_blocks_in_the_completing_step() -> None:
     assert side.build_connector_meta(so).saves == []  # type: ignore[arg-type]
     req.num_computed_tokens = 256
     meta = side.build_connector_meta(  # type: ignore[arg-type]
-        FakeSchedulerOutput({"p1": 44}, FakeBlockState({"p1": [4, 9, 2, 8]})))
+        FakeSchedulerOutput({"p1": 44}, FakeBlockState({"p1": [4, 9, 2, 8]}))
+    )
     (job,) = meta.saves
     assert job.block_ids == [4, 9, 2] and job.num_tokens == 300
     assert (job.transfer_id, job.decode_epoch, job.decode_fingerprint) == ("t1", 7, "abc")
@@ -96,7 +97,8 @@ def test_consumer_claims_the_remote_tokens_beyond_its_local_prefix() -> None:
     assert side.get_num_new_matched_tokens(req, 128) == (0, False)  # type: ignore[arg-type]
     report = LoadReport("d1", "t1", ok=True, nbytes=99)
     side.update_connector_output(  # type: ignore[arg-type]
-        FakeConnectorOutput(kv_connector_worker_meta=LoadReports([report])))
+        FakeConnectorOutput(kv_connector_worker_meta=LoadReports([report]))
+    )
     delay, params = side.request_finished(req, [10, 11, 12])  # type: ignore[arg-type]
     assert not delay and params == {LOAD_KEY: report.as_params()}
 
