@@ -27,6 +27,7 @@ that is missing takes the default shown):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -81,6 +82,10 @@ class ConnectorSettings:
     max_streams: int = 32  # consumer: inbound streams served at once
     shm: bool = True  # both: same-host transfers through shared memory
     header_timeout_s: float = 10.0  # consumer: longest wait for a stream's first frame
+    staging_max_bytes: int = 0  # consumer: most bytes staged (0 = the transport's default)
+    tls_ca_file: str = ""  # both: internal mTLS of the KV channels (all three, or none)
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
     allow_faults: bool = False  # fault injection (tests, failure drills)
 
     @classmethod
@@ -124,7 +129,11 @@ class PdserveConnector(KVConnectorBase_V1):
             max_streams=int(s.max_streams),
             shm=bool(s.shm),
             header_timeout_s=float(s.header_timeout_s),
+            tls_ca_file=s.tls_ca_file, tls_cert_file=s.tls_cert_file,
+            tls_key_file=s.tls_key_file,
         )
+        if s.staging_max_bytes:
+            config = dataclasses.replace(config, max_staged_bytes=int(s.staging_max_bytes))
         if self.is_producer:
             self.producer = Producer(identity, config, s.lease_s, s.allow_faults, bool(s.shm))
         else:

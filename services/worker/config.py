@@ -46,14 +46,16 @@ class WorkerConfig(BaseSettings):
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between registry heartbeats")
     worker_ttl_s: float = Field(3.0, gt=0, description="a worker silent this long drops out "
                                 "of routing")
-    kv_checksum: Literal["crc32c", "xxh64", "crc32"] = Field(
-        "crc32c", description="KV transfers: checksum of every chunk (crc32c and xxh64 run "
-        "in native code; the receiver verifies what the sender used)")
+    kv_checksum: Literal["crc32c", "xxh3", "crc32"] = Field(
+        "crc32c", description="KV transfers: checksum of every chunk (crc32c and xxh3 run "
+        "in native code; crc32 is several times slower; the receiver verifies what the "
+        "sender used)")
     kv_shm: bool = Field(True, description="KV transfers between workers on one host go "
                          "through shared memory (off: always the network transport)")
     kv_staging_gib: float = Field(
         0.0, ge=0, description="decode: most KV bytes staged for requests not yet "
-        "admitted (0 = the size of the KV cache)")
+        "admitted; beyond, new transfers are refused (0 = the size of the CPU KV cache; "
+        "8 GiB on GPUs)")
     kv_header_timeout_s: float = Field(
         10.0, gt=0, description="decode: a KV stream that sends no header this long is "
         "dropped")

@@ -68,7 +68,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                        span: PrefillSpan = NULL_PREFILL) -> wpb.PrefillResponse:
         t = req.target
         kv_params = send_params(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
-                                t.fingerprint_digest, req.fault)
+                                t.fingerprint_digest, req.fault, same_host=t.same_host)
         params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params})
         prompt = list(req.prompt_token_ids)
         start_wall = time.time()

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from pdserve.v1 import worker_pb2 as wpb
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, cpu_only
 from services.engine.engine import Engine
 from services.kv.fingerprint import LayoutFingerprint
 from services.kv.layout import fingerprint_of
@@ -52,10 +52,14 @@ def kv_tls_extra() -> dict[str, str]:
             "tls_key_file": str(files.key or "")}
 
 
-def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig,
-                       port_file: str = "") -> Any:
+def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig, port_file: str = "",
+                       kv_cache_bytes: int = 0) -> Any:
+    """vLLM's KV transfer config for this worker's role. The receiver's staging cap is
+    `kv_staging_gib`, or else the size of the engine's KV cache (a decode worker never
+    needs to hold more than it could admit)."""
     from vllm.config import KVTransferConfig
 
+    staging = int(config.kv_staging_gib * (1 << 30)) or kv_cache_bytes
     extra: dict[str, Any] = {
         "worker_id": identity.worker_id, "epoch": identity.epoch, "port_file": port_file,
         "kv_host": config.kv_host, "kv_port": config.kv_port,
@@ -63,7 +67,7 @@ def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig,
         "lease_s": config.kv_lease_s, "load_timeout_s": config.kv_load_timeout_s,
         "allow_faults": config.allow_fault_injection,
         "checksum": config.kv_checksum, "shm": config.kv_shm,
-        "staging_max_bytes": int(config.kv_staging_gib * (1 << 30)),
+        "staging_max_bytes": staging,
         "header_timeout_s": config.kv_header_timeout_s, "max_streams": config.kv_max_streams,
         **kv_tls_extra(),
     }
@@ -93,7 +97,8 @@ class Worker:
         with tempfile.TemporaryDirectory(prefix="pdserve-kv-") as tmp:
             # decode: the KV receiver binds its port inside the engine and writes it here
             port_file = str(Path(tmp) / "port") if role == "decode" else ""
-            engine = Engine(engine_cfg, kv_transfer_config(identity, config, port_file))
+            cache = int(engine_cfg.kv_cache_gib * (1 << 30)) if cpu_only() else 0
+            engine = Engine(engine_cfg, kv_transfer_config(identity, config, port_file, cache))
             engine.start()
             if role == "decode":
                 host = config.kv_advertise_host or local_host(config.kv_host)

@@ -41,15 +41,41 @@ def server_options(config: TransportConfig) -> list[tuple[str, Any]]:
     ]
 
 
+# Every internal certificate carries this DNS name (services/security/certs.py): peers are
+# reached by addresses that change, so the name, not the address, is what is checked.
+INTERNAL_NAME = "pdserve.internal"
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 def open_channel(peer: str, config: TransportConfig) -> grpc.Channel:
-    """A blocking channel to a KV receiver."""
-    return grpc.insecure_channel(peer, options=channel_options(config))
+    """A blocking channel to a KV receiver: mutual TLS when the config has the files."""
+    if not config.tls:
+        return grpc.insecure_channel(peer, options=channel_options(config))
+    credentials = grpc.ssl_channel_credentials(
+        root_certificates=_read(config.tls_ca_file),
+        private_key=_read(config.tls_key_file),
+        certificate_chain=_read(config.tls_cert_file))
+    options = [*channel_options(config), ("grpc.ssl_target_name_override", INTERNAL_NAME)]
+    return grpc.secure_channel(peer, credentials, options=options)
 
 
 def bind(server: grpc.Server, host: str, port: int, config: TransportConfig) -> str:
-    """Bind `server` to host:port; returns the "host:port" actually bound."""
+    """Bind `server` to host:port; returns the "host:port" actually bound. With the TLS
+    files, the port requires a client certificate from the internal CA: the torch
+    transport's rendezvous and a peer's HELLO travel only over such an authenticated
+    stream, so an unauthenticated peer never learns the store address."""
     bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    bound = server.add_insecure_port(f"{bracketed}:{port}")
+    if config.tls:
+        credentials = grpc.ssl_server_credentials(
+            [(_read(config.tls_key_file), _read(config.tls_cert_file))],
+            root_certificates=_read(config.tls_ca_file), require_client_auth=True)
+        bound = server.add_secure_port(f"{bracketed}:{port}", credentials)
+    else:
+        bound = server.add_insecure_port(f"{bracketed}:{port}")
     if not bound:
         raise OSError(f"cannot bind KV receiver to {bracketed}:{port}")
     return f"{bracketed}:{bound}"

@@ -95,6 +95,15 @@ class TransportConfig:
     checksum: str = DEFAULT_CHECKSUM  # what this sender computes (see checksum.py)
     shm: bool = True  # receiver: accept same-host transfers through shared memory
     header_timeout_s: float = 10.0  # receiver: a stream without its first frame by then ends
+    # Internal mTLS (PEM files; all three or none): the receiver then requires a client
+    # certificate from this CA, and senders check the receiver's for `pdserve.internal`.
+    tls_ca_file: str = ""
+    tls_cert_file: str = ""
+    tls_key_file: str = ""
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_ca_file and self.tls_cert_file and self.tls_key_file)
 
     def __post_init__(self) -> None:
         if self.chunk_bytes <= 0:
