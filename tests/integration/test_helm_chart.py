@@ -1089,6 +1089,11 @@ def test_compose_stack(monkeypatch: pytest.MonkeyPatch) -> None:
     assert services["router"]["build"]["dockerfile"] == "deploy/Dockerfile.cpu"
     ports = {p.rsplit(":", 1)[1] for p in services["router"]["ports"]}
     assert ports == {"50051", "8000", "9400"}
+    # Reachable on the compose network, and so behind an API key (from the environment).
+    router = check_pdserve_command(["router"], services["router"]["environment"], monkeypatch)
+    assert router["ServerConfig"].host == "0.0.0.0"
+    assert services["router"]["environment"]["PDSERVE_API_KEYS"].startswith(
+        "compose:${PDSERVE_API_KEY:?")
 
 
 def test_compose_healthcheck_asks_grpc_health() -> None:
