@@ -38,7 +38,7 @@ class RouterConfig(BaseSettings):
         3, ge=0, description="router: times a request may move to another worker when the "
         "one serving it fails (before or after its first token); 0 = fail the request")
     stream_silence_s: float = Field(
-        2.0, gt=0, description="router: a worker silent this long in a request is probed "
+        1.0, gt=0, description="router: a worker silent this long in a request is probed "
         "for liveness; one that does not answer is treated as failed (a hang)")
     probe_timeout_s: float = Field(1.0, gt=0, description="router: longest wait for a "
                                    "liveness probe's answer")

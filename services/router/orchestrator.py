@@ -54,7 +54,7 @@ class Liveness:
     is told from a slow one: after `silence_s` without an answer it is asked for its
     health, and one that does not answer within `probe_timeout_s` has failed."""
 
-    silence_s: float = 2.0
+    silence_s: float = 1.0
     probe_timeout_s: float = 1.0
 
 
