@@ -18,12 +18,17 @@ import grpc
 from services.kv.fingerprint import PeerIdentity
 from services.kv.transport import frames, shm_segments
 from services.kv.transport.base import KVReceiver
-from services.kv.transport.frames import ControlFrame, DataFrame, FrameError, FrameKind
+from services.kv.transport.frames import ControlFrame, DataFrame, FrameKind
 from services.kv.transport.grpc_channel import SERVICE, bind, server_options
 from services.kv.transport.shm_receiver import ShmInbound
 from services.kv.transport.shm_segments import SegmentPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransportConfig
-from services.kv.transport.staging import Refused, Staged, StagingTable, TransferFault
+from services.kv.transport.staging import (
+    Staged,
+    StagingTable,
+    TransferFault,
+    stream_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -124,18 +129,12 @@ class GrpcKVReceiver(KVReceiver):
                     sender, spec, algorithm = frames.decode_header(frame.body)
                     st = self.table.open(sender, spec, algorithm, on_stall=context.cancel)
                     return self._receive(st, requests)
-        except Refused as e:
-            code, reason = grpc.StatusCode.FAILED_PRECONDITION, f"refused: {e}"
-        except TransferFault as e:
-            code = grpc.StatusCode.DATA_LOSS if e.data_loss else grpc.StatusCode.INVALID_ARGUMENT
-            reason = str(e)
-        except FrameError as e:
-            code, reason = grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {e}"
-        except grpc.RpcError:
-            code, reason = grpc.StatusCode.CANCELLED, "stream dropped: sender gone or cancelled"
         except Exception as e:
-            logger.exception("KV receive from %s failed unexpectedly", peer)
-            code, reason = grpc.StatusCode.INTERNAL, f"receiver error: {e}"
+            failure = stream_failure(e)
+            if failure is None:
+                logger.exception("KV receive from %s failed unexpectedly", peer)
+                failure = grpc.StatusCode.INTERNAL, f"receiver error: {e}"
+            code, reason = failure
         if st is not None:
             self.table.fail(st, reason)
         else:

@@ -19,7 +19,12 @@ import grpc
 from services.kv.transport import checksum, frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.shm_segments import SegmentPool
-from services.kv.transport.staging import Refused, Staged, StagingTable, TransferFault
+from services.kv.transport.staging import (
+    Staged,
+    StagingTable,
+    TransferFault,
+    stream_failure,
+)
 
 
 class ShmInbound:
@@ -60,15 +65,11 @@ class ShmInbound:
                 else:
                     raise FrameError(f"unexpected {frame.kind.name} frame on a shm stream")
             raise TransferFault("truncated: stream ended before the end frame", data_loss=True)
-        except Refused as e:
-            code, reason = grpc.StatusCode.FAILED_PRECONDITION, f"refused: {e}"
-        except TransferFault as e:
-            code = grpc.StatusCode.DATA_LOSS if e.data_loss else grpc.StatusCode.INVALID_ARGUMENT
-            reason = str(e)
-        except FrameError as e:
-            code, reason = grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {e}"
-        except grpc.RpcError:
-            code, reason = grpc.StatusCode.CANCELLED, "stream dropped: sender gone or cancelled"
+        except Exception as e:
+            failure = stream_failure(e)
+            if failure is None:
+                raise
+            code, reason = failure
         self.table.fail(st, reason)
         context.abort(code, reason)
 
