@@ -49,6 +49,21 @@ from services.kv.transport.frames import byte_view
 FP = LayoutFingerprint("smollm2-135m", "float32", 128, 30, 3, 64, "bench", "bench")
 
 
+def with_tls(config: TransportConfig) -> TransportConfig:
+    """`config` under internal mTLS, with a development CA made for this run (both ends
+    present the same role's certificate: what is measured is the encryption)."""
+    import dataclasses
+    import tempfile
+
+    from services.security import certs
+
+    directory = Path(tempfile.mkdtemp(prefix="kv-tls-"))
+    certs.init(directory)
+    files = certs.internal_files(directory, "decode")
+    return dataclasses.replace(config, tls_ca_file=str(files.ca),
+                               tls_cert_file=str(files.cert), tls_key_file=str(files.key))
+
+
 def cpu_seconds() -> float:
     r = resource.getrusage(resource.RUSAGE_SELF)
     return r.ru_utime + r.ru_stime
@@ -213,6 +228,9 @@ def main(argv: list[str] | None = None) -> int:
         choices=checksum.ALGORITHMS,
         help=f"what the senders compute (default {checksum.DEFAULT})",
     )
+    p.add_argument("--tls", action="store_true",
+                   help="also measure grpc and torch under internal mTLS (a CA made for the "
+                   "run), each right after its plaintext run: the '+tls' rows")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
 
@@ -229,8 +247,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = {"memcpy": bench_memcpy(nbytes, max(args.rounds, 5))}
     sums = bench_checksums(layers, max(args.rounds, 5))
+    tls_config = with_tls(config) if args.tls else None
     for kind in args.transports.split(","):
         results[kind] = bench_transport(kind, layers, config, args.rounds, args.warmup)
+        if tls_config is not None and kind in ("grpc", "torch"):
+            results[f"{kind}+tls"] = bench_transport(kind, layers, tls_config, args.rounds,
+                                                     args.warmup)
 
     ref = nbytes / statistics.median(results["memcpy"]["times_s"]) / 1e9
     gb_moved = nbytes / 1e9
