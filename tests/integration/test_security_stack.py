@@ -204,7 +204,10 @@ async def test_worker_ports(secured: Secured, role: str) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as e:
             async for _ in call:
                 pass
-        assert e.value.code() == grpc.StatusCode.UNIMPLEMENTED
+        # UNIMPLEMENTED; or, when the server's refusal closes the stream before the
+        # client's first message is out, the client's send fails (INTERNAL). Either way
+        # no reflection answer came back (a served call would not raise).
+        assert e.value.code() in (grpc.StatusCode.UNIMPLEMENTED, grpc.StatusCode.INTERNAL)
 
 
 # -- binds -------------------------------------------------------------------------------

@@ -27,8 +27,8 @@ from services.kv.transport.staging import (
     Staged,
     StagingTable,
     TransferFault,
-    stream_failure,
 )
+from services.kv.transport.stream_status import stream_failure
 
 logger = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from services.kv.transport.staging import (
     Staged,
     StagingTable,
     TransferFault,
-    stream_failure,
 )
+from services.kv.transport.stream_status import stream_failure
 
 
 class ShmInbound:

@@ -18,7 +18,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import grpc
 import torch
 
 from services.kv.fingerprint import PeerIdentity
@@ -398,20 +397,3 @@ class StagingTable:
 
     def _drop(self, st: Staged) -> None:
         self._release(st)
-
-
-def stream_failure(e: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    """The status a receiver ends a KV stream with when receiving raised `e`; None for an
-    error that is not a transfer's fault (the receiver's own bug)."""
-    from services.kv.transport.frames import FrameError
-
-    if isinstance(e, Refused):
-        return grpc.StatusCode.FAILED_PRECONDITION, f"refused: {e}"
-    if isinstance(e, TransferFault):
-        code = grpc.StatusCode.DATA_LOSS if e.data_loss else grpc.StatusCode.INVALID_ARGUMENT
-        return code, str(e)
-    if isinstance(e, FrameError):
-        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {e}"
-    if isinstance(e, grpc.RpcError):
-        return grpc.StatusCode.CANCELLED, "stream dropped: sender gone or cancelled"
-    return None
