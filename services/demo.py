@@ -6,7 +6,6 @@ import argparse
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -15,12 +14,7 @@ import time
 from tqdm import tqdm
 
 from services.api.client import PdserveClient
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from services.rpc import free_port
 
 
 async def _wait_and_ask(args: argparse.Namespace, port: int, server: subprocess.Popen[bytes],

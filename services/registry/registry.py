@@ -67,7 +67,6 @@ class Registry:
         # Signed records older (or newer) than this are replays, not heartbeats.
         self.max_record_age_s = max_record_age_s
         self.leases = ClientLeases(client, f"{prefix}lease:", client_lease_s)
-        self._held: dict[str, list[Lease]] = {}
         self._bad: dict[str, str] = {}  # worker id -> digest of its bad value, reported
 
     @classmethod
@@ -199,23 +198,5 @@ class Registry:
         return await self.leases.acquire(client_id, limit)
 
     async def release_client_lease(self, lease: Lease) -> None:
-        await self.leases.release(lease)
-
-    async def acquire_client_slot(self, client_id: str, limit: int) -> bool:
-        """The same as a lease, for callers that release by client id: the leases this
-        process holds for one client are interchangeable."""
-        lease = await self.leases.acquire(client_id, limit)
-        if lease is None:
-            return False
-        self._held.setdefault(client_id, []).append(lease)
-        return True
-
-    async def release_client_slot(self, client_id: str) -> None:
-        held = self._held.get(client_id)
-        if not held:
-            return
-        lease = held.pop()
-        if not held:
-            del self._held[client_id]
         await self.leases.release(lease)
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,11 +15,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from services.rpc import free_port
 
 
 @dataclass
