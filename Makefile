@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 PROTOS := $(wildcard proto/pdserve/v1/*.proto)
 
-.PHONY: help setup redis proto model run test test-unit lint clean
+.PHONY: help setup system-deps proto model run test test-unit lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,13 +29,19 @@ $(VENV)/.installed: pyproject.toml requirements/cpu.lock
 	$(PY) -c "import vllm, grpc, pdserve.v1.generate_pb2"
 	touch $@
 
-setup: $(VENV)/.installed model redis  ## virtual env with pinned deps, the default model, redis-server
+setup: $(VENV)/.installed model system-deps  ## virtual env with pinned deps, the default model, redis-server, tcmalloc
 
-redis:  ## make sure redis-server is installed (Debian's package; needs root or sudo)
-	@command -v redis-server >/dev/null 2>&1 || { \
-	  echo "installing redis-server (Debian package)"; \
+# redis-server for the cluster state; tcmalloc, the allocator vLLM's CPU backend asks
+# for (glibc malloc lets a prefill engine's RSS grow under long prompts).
+system-deps:  ## make sure redis-server and tcmalloc are installed (Debian's packages; needs root or sudo)
+	@missing=""; \
+	command -v redis-server >/dev/null 2>&1 || missing="$$missing redis-server"; \
+	ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || missing="$$missing libtcmalloc-minimal4"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (Debian packages)"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
-	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
 
 proto:  ## regenerate gRPC code (with .pyi stubs) from proto/
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=proto --pyi_out=proto \

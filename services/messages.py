@@ -6,11 +6,7 @@ from protobuf; `services/engine/outputs.py` builds them from vLLM's outputs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:
-    from pdserve.v1 import generate_pb2 as pb
-
+from typing import Any
 
 # Fields whose empty value means "not asked for" (vLLM gets them only when set).
 _UNSET: dict[str, Any] = {"stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0}
@@ -126,6 +122,6 @@ class Delta:
     num_cached_tokens: int = 0
     timings: Timings = field(default_factory=Timings)
     migrations: int = 0  # on the last delta: times the request moved to another worker
-    # The public message this delta arrived as (a worker's chunk on the router path):
-    # sent on as is, never rebuilt.
-    wire: pb.GenerateResponse | None = None
+    # The serialized public message this delta arrived as (a worker's chunk on the
+    # router path): sent on as these bytes, never rebuilt.
+    wire: bytes | None = None

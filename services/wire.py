@@ -73,12 +73,22 @@ def timings_of(t: pb.Timings) -> Timings:
 
 # -- stream messages ----------------------------------------------------------------------
 def chunk_pb(delta: Delta) -> pb.GenerateResponse:
-    """A delta's tokens as a public chunk; a chunk that arrived from a worker is sent on
-    as it came."""
-    if delta.wire is not None:
-        return delta.wire
+    """A delta's tokens as a public chunk message."""
     return pb.GenerateResponse(chunk=pb.Chunk(token_ids=delta.token_ids, text=delta.text,
                                               logprobs=logprobs_pb(delta.logprobs)))
+
+
+def chunk_out(delta: Delta) -> pb.GenerateResponse | bytes:
+    """What the public stream sends for a delta: a chunk that arrived from a worker goes
+    on as the bytes it came in (`serialize_response` passes them through)."""
+    return delta.wire if delta.wire is not None else chunk_pb(delta)
+
+
+def serialize_response(message: pb.GenerateResponse | bytes) -> bytes:
+    """The public stream's serializer: forwarded chunks are already bytes."""
+    if type(message) is bytes:
+        return message
+    return message.SerializeToString()  # type: ignore[union-attr]
 
 
 def final_pb(delta: Delta, request_id: str = "", prompt_tokens: int = 0,
@@ -95,13 +105,21 @@ def final_pb(delta: Delta, request_id: str = "", prompt_tokens: int = 0,
     ))
 
 
-def delta_of(r: pb.GenerateResponse) -> Delta:
-    """A streamed message as a delta. A chunk keeps its message (`wire`) so whoever
-    forwards it sends the same bytes' worth without rebuilding it."""
-    if r.HasField("chunk"):
-        c = r.chunk
-        return Delta(list(c.token_ids), c.text, logprobs_of(list(c.logprobs)), wire=r)
-    f = r.final
+def delta_of_bytes(data: bytes) -> Delta:
+    """A streamed message, as the bytes it came in, as a delta. A chunk keeps its bytes
+    (`wire`) so whoever forwards it sends them on without serializing anew; the token
+    ids are read here because the router must know every token it streamed (to continue
+    the request elsewhere if the worker fails)."""
+    r = pb.GenerateResponse.FromString(data)
+    if r.WhichOneof("response") != "chunk":
+        return _final_delta(r.final)
+    c = r.chunk
+    logprobs = c.logprobs
+    return Delta(list(c.token_ids), c.text, logprobs_of(list(logprobs)) if logprobs else None,
+                 wire=data)
+
+
+def _final_delta(f: pb.Final) -> Delta:
     return Delta([], "", finished=True, finish_reason=finish_name(f.finish_reason),
                  stop_reason=f.stop_reason or None, num_cached_tokens=f.usage.cached_tokens,
                  timings=timings_of(f.timings))

@@ -17,6 +17,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pdserve.v1 import generate_pb2 as pb
+from services import wire
 from services.api.backend import Backend
 from services.api.servicer import GenerationServicer, parse_request
 from services.rpc import MAX_MESSAGE_BYTES, grpc_options, use_internal_tls
@@ -162,11 +163,12 @@ def generation_service(backend: Backend) -> Service:
     servicer = GenerationServicer(backend)
     # As the generated `add_GenerationServiceServicer_to_server`, but requests that do not
     # parse reach the servicer as an error to answer INVALID_ARGUMENT with (grpc would
-    # answer a deserializer's exception with an opaque UNKNOWN).
+    # answer a deserializer's exception with an opaque UNKNOWN), and chunks forwarded
+    # from a worker go out as the bytes they came in.
     handlers = {
         "Generate": grpc.unary_stream_rpc_method_handler(
             servicer.Generate, request_deserializer=parse_request,
-            response_serializer=pb.GenerateResponse.SerializeToString),
+            response_serializer=wire.serialize_response),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
             response_serializer=pb.GetModelInfoResponse.SerializeToString),

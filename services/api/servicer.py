@@ -50,7 +50,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
 
     async def Generate(
         self, request: pb.GenerateRequest | InvalidRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[pb.GenerateResponse]:
+    ) -> AsyncIterator[pb.GenerateResponse | bytes]:
         started = time.monotonic()
         if isinstance(request, InvalidRequest):
             await abort_with(context, request)
@@ -73,7 +73,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     if completion_tokens == 0 and delta.token_ids:
                         ttft_s = time.monotonic() - started
                     completion_tokens += len(delta.token_ids)
-                    yield wire.chunk_pb(delta)
+                    yield wire.chunk_out(delta)
                 if delta.finished:
                     delta.timings.ttft_s = ttft_s
                     delta.timings.e2e_s = time.monotonic() - started

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import ctypes.util
+import logging
 import os
 from typing import Literal
 
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+log = logging.getLogger(__name__)
 
 
 def cpu_only() -> bool:
@@ -35,6 +39,38 @@ def split_cores(prefill_cores: str = "", decode_cores: str = "") -> tuple[str, s
     prefill = prefill_cores or format_cores(cores[:half])
     decode = decode_cores or format_cores(cores[half:] or cores)
     return prefill, decode
+
+
+def find_tcmalloc() -> str | None:
+    """The soname of the system's tcmalloc (Debian: libtcmalloc-minimal4), if installed.
+
+    A bare soname is enough for LD_PRELOAD: the dynamic loader searches its usual paths.
+    """
+    return ctypes.util.find_library("tcmalloc_minimal") or ctypes.util.find_library("tcmalloc")
+
+
+def preload_allocator(allocator: str, current: str) -> str:
+    """LD_PRELOAD for the engine's processes with the chosen allocator in front.
+
+    vLLM's CPU backend asks for tcmalloc: glibc malloc fragments under the varying
+    activation sizes of long prefills, and a prefill engine's RSS then grows about
+    1 MiB per request without levelling off (BENCHMARKS.md, "Chaos and soak").
+    """
+    if allocator == "system" or "tcmalloc" in current:
+        return current
+    lib = find_tcmalloc()
+    if lib is None:
+        if allocator == "tcmalloc":
+            raise RuntimeError(
+                "allocator 'tcmalloc' requested but no libtcmalloc is installed: "
+                "apt-get install libtcmalloc-minimal4, or pass --allocator system"
+            )
+        log.warning(
+            "tcmalloc not found; the engine uses glibc malloc, whose RSS grows under long "
+            "prefills (install libtcmalloc-minimal4, or pass --allocator system to silence this)"
+        )
+        return current
+    return f"{lib}:{current}" if current else lib
 
 
 class EngineConfig(BaseSettings):
@@ -79,6 +115,11 @@ class EngineConfig(BaseSettings):
         True, description="skip torch.compile and graph capture (faster start-up)"
     )
     seed: int = Field(0, description="engine random seed")
+    allocator: Literal["auto", "tcmalloc", "system"] = Field(
+        "auto",
+        description="CPU: memory allocator of the engine's processes (LD_PRELOAD); auto = "
+        "tcmalloc when installed (libtcmalloc-minimal4), else glibc malloc with a warning",
+    )
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -106,4 +147,5 @@ class EngineConfig(BaseSettings):
             "VLLM_CPU_OMP_THREADS_BIND": self.resolved_cores(),
             # Our connector runs no extra threads that need a core held back for them.
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+            "LD_PRELOAD": preload_allocator(self.allocator, os.environ.get("LD_PRELOAD", "")),
         }

@@ -71,6 +71,11 @@ class Engine:
             disable_log_stats=False,
             kv_transfer_config=self._kv_transfer_config,
         )
+        if self._kv_transfer_config is not None:
+            # Lets the worker read its connector's staging level (kv/worker_ext.py).
+            from services.kv.worker_ext import EXTENSION
+
+            kwargs["worker_extension_cls"] = EXTENSION
         if c.block_size:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:

@@ -12,20 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import worker_pb2 as wpb
-from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services import wire
 from services.errors import FailedCall, IncompatiblePair, WorkerFailure, from_worker_status
 from services.kv.fingerprint import LayoutFingerprint
 from services.messages import Delta, GenerationRequest, Timings, split_budget
+from services.router.watchdog import Liveness
 
 
 def check_pair(prefill: wpb.WorkerInfo, decode: wpb.WorkerInfo) -> None:
@@ -40,69 +40,57 @@ def check_pair(prefill: wpb.WorkerInfo, decode: wpb.WorkerInfo) -> None:
         "between them")
 
 
+DECODE_METHOD = "/pdserve.v1.DecodeService/Decode"
+RELEASE_METHOD = "/pdserve.v1.DecodeService/Release"
+PREFILL_METHOD = "/pdserve.v1.PrefillService/Prefill"
+RELEASE_TIMEOUT_S = 5.0
+
+log = logging.getLogger(__name__)
+
+
 @dataclass(frozen=True, slots=True)
 class Peer:
-    """One worker of the pair, as the caller reaches it."""
+    """One worker of the pair, as the caller reaches it: its channel and the calls made
+    on it, built once per channel rather than once per request. The decode stream
+    arrives as bytes: chunks are forwarded to the client as they came."""
 
     worker_id: str
     channel: grpc.aio.Channel
+    prefill: grpc.aio.UnaryUnaryMultiCallable = field(init=False, repr=False)
+    decode: grpc.aio.UnaryStreamMultiCallable = field(init=False, repr=False)
+    release: grpc.aio.UnaryUnaryMultiCallable = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "prefill", self.channel.unary_unary(
+            PREFILL_METHOD, request_serializer=wpb.PrefillRequest.SerializeToString,
+            response_deserializer=wpb.PrefillResponse.FromString))
+        object.__setattr__(self, "decode", self.channel.unary_stream(
+            DECODE_METHOD, request_serializer=wpb.DecodeRequest.SerializeToString,
+            response_deserializer=None))  # None: the message's bytes
+        object.__setattr__(self, "release", self.channel.unary_unary(
+            RELEASE_METHOD, request_serializer=wpb.ReleaseRequest.SerializeToString,
+            response_deserializer=wpb.ReleaseResponse.FromString))
 
 
-@dataclass(frozen=True, slots=True)
-class Liveness:
-    """How a hung worker (alive to TCP, silent to us: a stopped process, a wedged loop)
-    is told from a slow one: after `silence_s` without an answer it is asked for its
-    health, and one that does not answer within `probe_timeout_s` has failed."""
-
-    silence_s: float = 1.0
-    probe_timeout_s: float = 1.0
+_RELEASING: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references
 
 
-async def answers(peer: Peer, timeout_s: float) -> bool:
-    """Whether the worker's gRPC server answers a health check in time (any status: a
-    draining worker still serves the streams it has)."""
-    try:
-        await health_pb2_grpc.HealthStub(peer.channel).Check(
-            health_pb2.HealthCheckRequest(), timeout=timeout_s)
-    except grpc.aio.AioRpcError:
-        return False
-    return True
+def release_later(decode: Peer, transfer_id: str) -> None:
+    """Tell the decode worker, in the background, that no Decode call will take this
+    transfer, so its staging is freed now rather than when the lease ends (and a
+    transfer still on its way stops, which frees the prefill worker's blocks)."""
 
+    async def release() -> None:
+        try:
+            await decode.release(wpb.ReleaseRequest(transfer_id=transfer_id),
+                                 timeout=RELEASE_TIMEOUT_S)
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError) as e:  # a dead worker's
+            # staging is gone anyway; a closed channel: the router is shutting down
+            log.debug("release of %s on %s: %s", transfer_id, decode.worker_id, e)
 
-class Watchdog:
-    """Watches one call to a worker: `seen()` on every message; after `silence_s`
-    without one, the worker is probed, and a worker that does not answer has its call
-    cancelled and `hung` set. Costs one timestamp per message on the stream's path."""
-
-    def __init__(self, call: grpc.aio.Call, role: str, peer: Peer, liveness: Liveness) -> None:
-        self.call, self.role, self.peer, self.liveness = call, role, peer, liveness
-        self.last = time.monotonic()
-        self.hung = ""
-        self._task = asyncio.create_task(self._watch())
-
-    def seen(self) -> None:
-        self.last = time.monotonic()
-
-    async def _watch(self) -> None:
-        silence = self.liveness.silence_s
-        while True:
-            await asyncio.sleep(max(0.01, self.last + silence - time.monotonic()))
-            quiet = time.monotonic() - self.last
-            if quiet < silence:
-                continue
-            if await answers(self.peer, self.liveness.probe_timeout_s):
-                self.last = time.monotonic()  # slow, not hung: give it another period
-                continue
-            self.hung = f"silent for {quiet:.1f} s and no answer to a liveness probe"
-            self.call.cancel()
-            return
-
-    def failure(self, streamed: int) -> WorkerFailure:
-        return WorkerFailure(FailedCall(self.role, self.peer.worker_id,
-                                        grpc.StatusCode.UNAVAILABLE, self.hung), streamed)
-
-    def stop(self) -> None:
-        self._task.cancel()
+    task = asyncio.get_running_loop().create_task(release())
+    _RELEASING.add(task)
+    task.add_done_callback(_RELEASING.discard)
 
 
 def _failure(role: str, peer: Peer, e: grpc.aio.AioRpcError, streamed: int) -> Exception:
@@ -112,73 +100,93 @@ def _failure(role: str, peer: Peer, e: grpc.aio.AioRpcError, streamed: int) -> E
 
 async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
                    target: wpb.KVTarget, fault: str = "",
-                   liveness: Liveness = Liveness(),
+                   liveness: Liveness | None = None,
                    metadata: tuple[tuple[str, str], ...] | None = None
                    ) -> AsyncIterator[Delta]:
     """One request: prefill (token 1, KV shipped to `target`), then decode (tokens 2..n).
     Without a prefill worker the decode worker prefills the prompt itself. The last
     delta is finished and carries both phases' timings. `metadata` goes with both calls
     (the trace context, so the workers' spans join the caller's trace)."""
+    liveness = liveness or Liveness()
     timeout = req.timeout_s
     s = req.sampling
     if prefill is None:
-        call = wpb_grpc.DecodeServiceStub(decode.channel).Decode(wpb.DecodeRequest(
+        call = decode.decode(wpb.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens), fault=fault),
             timeout=timeout, metadata=metadata)
         async for delta in _stream_decode(call, decode, None, 0, 0, liveness):
             yield delta
         return
-    first_budget, rest = split_budget(req.max_tokens, s.min_tokens)
-    call1 = wpb_grpc.PrefillServiceStub(prefill.channel).Prefill(wpb.PrefillRequest(
-        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-        sampling=wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens),
-        transfer_id=uuid.uuid4().hex, fault=fault, target=target), timeout=timeout,
-        metadata=metadata)
-    dog = Watchdog(call1, "prefill", prefill, liveness)
-    try:
-        first = await call1
-    except grpc.aio.AioRpcError as e:
-        raise _failure("prefill", prefill, e, 0) from e
-    except asyncio.CancelledError:
-        if dog.hung:
-            raise dog.failure(0) from None
-        raise
-    finally:
-        dog.stop()
-    prefill_timings = Timings(queue_s=first.queue_s, prefill_s=first.prefill_s)
-    token1 = Delta([first.first_token_id], first.first_token_text,
-                   wire.logprobs_of(list(first.logprobs)))
-    if first.finished or rest.max_tokens == 0:
-        token1.finished = True
-        token1.finish_reason = "stop" if first.finished else "length"
-        token1.stop_reason = first.stop_reason or None
-        token1.num_cached_tokens = first.cached_tokens
-        token1.timings = prefill_timings
-        yield token1
-        return
-    yield token1
-    call = wpb_grpc.DecodeServiceStub(decode.channel).Decode(wpb.DecodeRequest(
-        request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-        first_token_id=first.first_token_id,
-        sampling=wire.sampling_pb(s, rest.max_tokens, rest.min_tokens), handle=first.handle,
-        fault=fault), timeout=None if timeout is None else max(0.1, timeout),
-        metadata=metadata)
-    async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1,
-                                      liveness):
+    async for delta in _run_split(req, prefill, decode, target, fault, liveness, metadata):
         yield delta
+
+
+async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
+                     target: wpb.KVTarget, fault: str, liveness: Liveness,
+                     metadata: tuple[tuple[str, str], ...] | None) -> AsyncIterator[Delta]:
+    timeout = req.timeout_s
+    s = req.sampling
+    transfer_id = uuid.uuid4().hex
+    loaded = False  # the decode worker took the transfer and the answer ended there
+    try:
+        first_budget, rest = split_budget(req.max_tokens, s.min_tokens)
+        call1 = prefill.prefill(wpb.PrefillRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            sampling=wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens),
+            transfer_id=transfer_id, fault=fault, target=target), timeout=timeout,
+            metadata=metadata)
+        watch = liveness.watch(call1, "prefill", prefill.worker_id, prefill.channel)
+        try:
+            first = await call1
+        except grpc.aio.AioRpcError as e:
+            raise _failure("prefill", prefill, e, 0) from e
+        except asyncio.CancelledError:
+            if watch.hung:
+                raise watch.failure(0) from None
+            raise
+        finally:
+            liveness.unwatch(watch)
+        prefill_timings = Timings(queue_s=first.queue_s, prefill_s=first.prefill_s)
+        token1 = Delta([first.first_token_id], first.first_token_text,
+                       wire.logprobs_of(list(first.logprobs)))
+        if first.finished or rest.max_tokens == 0:
+            token1.finished = True
+            token1.finish_reason = "stop" if first.finished else "length"
+            token1.stop_reason = first.stop_reason or None
+            token1.num_cached_tokens = first.cached_tokens
+            token1.timings = prefill_timings
+            yield token1
+            return
+        yield token1
+        call = decode.decode(wpb.DecodeRequest(
+            request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+            first_token_id=first.first_token_id,
+            sampling=wire.sampling_pb(s, rest.max_tokens, rest.min_tokens), handle=first.handle,
+            fault=fault), timeout=None if timeout is None else max(0.1, timeout),
+            metadata=metadata)
+        async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1,
+                                          liveness):
+            loaded = delta.finished
+            yield delta
+    finally:
+        # Cancelled, failed, moved, or answered by token 1: the KV shipped for this
+        # request will never be loaded.
+        if not loaded:
+            release_later(decode, transfer_id)
 
 
 async def _stream_decode(call: grpc.aio.UnaryStreamCall, decode: Peer,
                          prefill_timings: Timings | None, cached_tokens: int,
                          streamed: int, liveness: Liveness) -> AsyncIterator[Delta]:
-    """The decode worker's stream as deltas; chunks keep their message for forwarding.
+    """The decode worker's stream as deltas; chunks keep their bytes for forwarding.
     `streamed` counts the request's tokens the caller has already passed on."""
-    dog = Watchdog(call, "decode", decode, liveness)
+    watch = liveness.watch(call, "decode", decode.worker_id, decode.channel)
+    clock = time.monotonic
     try:
-        async for r in call:
-            dog.seen()
-            delta = wire.delta_of(r)
+        async for data in call:
+            watch.last = clock()
+            delta = wire.delta_of_bytes(data)
             if delta.finished:
                 if prefill_timings is not None:  # the queue and prefill were the other's
                     delta.timings.queue_s = prefill_timings.queue_s
@@ -189,15 +197,15 @@ async def _stream_decode(call: grpc.aio.UnaryStreamCall, decode: Peer,
             streamed += len(delta.token_ids)
             yield delta
     except grpc.aio.AioRpcError as e:
-        if dog.hung:
-            raise dog.failure(streamed) from e
+        if watch.hung:
+            raise watch.failure(streamed) from e
         raise _failure("decode", decode, e, streamed) from e
     except asyncio.CancelledError:
-        if dog.hung:
-            raise dog.failure(streamed) from None
+        if watch.hung:
+            raise watch.failure(streamed) from None
         raise
     finally:
-        dog.stop()
+        liveness.unwatch(watch)
         call.cancel()  # no-op when done; else aborts the request on the worker
     raise WorkerFailure(FailedCall("decode", decode.worker_id, grpc.StatusCode.UNAVAILABLE,
                                    "the stream ended without a final message"), streamed)

@@ -17,6 +17,8 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64
     out: list[str] = []
     parent = b""
     full = min(len(token_ids) // block_size, max_blocks)
+    if not full:  # a prompt shorter than a block: nothing to hash (and no numpy call)
+        return out
     ids = np.asarray(token_ids[: full * block_size], dtype=np.int64)
     for i in range(full):
         h = hashlib.blake2b(parent + ids[i * block_size:(i + 1) * block_size].tobytes(),

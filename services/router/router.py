@@ -17,7 +17,7 @@ import logging
 import time
 from collections.abc import AsyncIterator
 from dataclasses import asdict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
@@ -33,7 +33,7 @@ from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
 from services.router.config import RouterConfig
 from services.router.facts import model_facts
-from services.router.orchestrator import Liveness, Peer, run_pair
+from services.router.orchestrator import Peer, run_pair
 from services.router.policies import (
     Choice,
     LocalLoad,
@@ -44,6 +44,7 @@ from services.router.policies import (
 )
 from services.router.prefix import block_hashes
 from services.router.view import WorkerView
+from services.router.watchdog import Liveness
 from services.rpc import dial
 
 if TYPE_CHECKING:
@@ -68,6 +69,19 @@ E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side reque
                 buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
 
 
+_CHILDREN: dict[tuple[object, ...], Any] = {}
+
+
+def _child(metric: Counter, *labels: str) -> Any:
+    """`metric.labels(*labels)`, looked up once: `labels()` takes a lock and builds the
+    key on every call, which the per-request path pays several times."""
+    key = (metric, *labels)
+    child = _CHILDREN.get(key)
+    if child is None:
+        child = _CHILDREN[key] = metric.labels(*labels)
+    return child
+
+
 SUSPECT_S = 2.0  # a worker that just failed a call is skipped this long (then doubling)
 SUSPECT_MAX_S = 30.0
 
@@ -87,6 +101,7 @@ class RouterBackend:
         self.fault = fault  # fault injection on every request (tests; workers must allow)
         self._view: list[WorkerRecord] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self._peers: dict[tuple[str, str], Peer] = {}  # (worker id, address) -> its calls
         self._facts: ModelFacts | None = None
         self._refresher: asyncio.Task[None] | None = None
         # Workers that just failed a call: skipped until their record expires or they
@@ -143,9 +158,13 @@ class RouterBackend:
             await channel.close()
 
     def peer(self, w: WorkerRecord) -> Peer:
-        if w.address not in self._channels:
-            self._channels[w.address] = dial(w.address)
-        return Peer(w.worker_id, self._channels[w.address])
+        key = (w.worker_id, w.address)
+        peer = self._peers.get(key)
+        if peer is None:
+            if w.address not in self._channels:
+                self._channels[w.address] = dial(w.address)
+            peer = self._peers[key] = Peer(w.worker_id, self._channels[w.address])
+        return peer
 
     @property
     def facts(self) -> ModelFacts:
@@ -246,8 +265,8 @@ class RouterBackend:
                 choice = await self._choose(leg, hashes if not streamed else [])
                 span.pair(moves, choice.prefill.worker_id if choice.prefill else None,
                           choice.decode.worker_id, choice.reason)
-                PAIR_CHOICES.labels(choice.reason).inc()
-                DISAGG.labels("remote" if choice.prefill else "local").inc()
+                _child(PAIR_CHOICES, choice.reason).inc()
+                _child(DISAGG, "remote" if choice.prefill else "local").inc()
                 try:
                     async for delta in self._run(leg, choice, hashes, started, span):
                         if delta.finished:
@@ -309,7 +328,7 @@ class RouterBackend:
             self.local.add(d.worker_id, 0)
         for w in (p, d):
             if w is not None:
-                WORKER_REQUESTS.labels(w.worker_id, w.role).inc()
+                _child(WORKER_REQUESTS, w.worker_id, w.role).inc()
         target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch, kv_address=d.kv_address,
                               kv_transport=d.kv_transport, fingerprint_digest=d.fingerprint,
                               same_host=p is not None and p.host == d.host)

@@ -22,6 +22,7 @@ from services.api.server import Service
 from services.api.servicer import abort_with
 from services.engine.outputs import delta_of_output, vllm_params
 from services.errors import Aborted, IncompatiblePair, Unavailable
+from services.kv import worker_ext
 from services.kv.params import LOAD_KEY, check_fault, recv_params
 from services.messages import Delta, Timings
 from services.observability import tracing
@@ -40,6 +41,8 @@ KV_SECONDS = Histogram("pdserve_kv_transfer_seconds", "first to last KV byte of 
 KV_FAILURES = Counter("pdserve_kv_transfer_failures", "KV transfers that could not be used "
                       "(corrupt, late, missing, stale); recomputed or failed by policy",
                       ["policy"])
+RELEASED = Counter("pdserve_kv_transfers_released", "transfers released by the router before "
+                   "a Decode call took them (the request was cancelled, failed or moved)")
 
 
 def overlap(a0: float, a1: float, b0: float, b1: float) -> float:
@@ -162,6 +165,17 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         KV_BYTES.inc(report["bytes"])
         KV_SECONDS.observe(timings.kv_transfer_s)
         return timings
+
+    async def Release(self, req: wpb.ReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> wpb.ReleaseResponse:
+        try:
+            checks.check_id("transfer_id", req.transfer_id)
+            if self.worker.identity.role == "decode":  # a prefill worker receives no KV
+                await worker_ext.release(self.worker.engine.llm, req.transfer_id)
+        except Exception as e:
+            await abort_with(context, e)
+        RELEASED.inc()
+        return wpb.ReleaseResponse()
 
     async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from services.api.server import Bound, ServerConfig, Service, serve
 from services.engine.config import EngineConfig
 from services.errors import EngineDead
+from services.kv.worker_ext import watch_staging
 from services.observability import tracing
 from services.registry.config import ClusterStateConfig
 from services.registry.heartbeat import heartbeat_forever
@@ -62,6 +63,8 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
                                  signer=signer) if config.redis_url else None
     stop, died = asyncio.Event(), asyncio.Event()
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(_watch_engine(worker, died, stop))]
+    if role == "decode":
+        tasks.append(asyncio.create_task(watch_staging(worker.engine.llm)))
 
     def register(bound: Bound) -> None:
         if on_ready is not None:

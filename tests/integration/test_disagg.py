@@ -197,10 +197,16 @@ async def test_kv_freed_on_both_sides_after_aborts_and_deadlines(
             tasks = [_one(client, prompt_of_length(tokenizer, 60 + 37 * i, salt=f"b{batch}"),
                           (batch + i) % 3) for i in range(5)]
             outcomes += await asyncio.gather(*tasks)
+    ended = time.monotonic()
     assert len(outcomes) == 50
     assert {"ok", "cancelled", "DEADLINE_EXCEEDED"} <= set(outcomes), outcomes
     await _idle(disagg_grpc.prefill_metrics)
     await _idle(disagg_grpc.decode_metrics)
+    # The transfers of cancelled and timed-out requests were released, not left to
+    # wait out their lease in the decode worker's staging.
+    by = ended + LEASE_S / 3
+    staged = await _staged(disagg_grpc.decode_metrics, 0.0, timeout=by - time.monotonic())
+    assert staged["pdserve_kv_staged_transfers"] == 0.0 and time.monotonic() < by, staged
     assert (await greedy(disagg_grpc.server.target, [1, 2, 3, 4, 5], 4))  # still serving
 
 
@@ -287,3 +293,56 @@ async def test_model_info_says_disaggregated(disagg_grpc: DisaggStack) -> None:
     assert info.serving_mode == "disaggregated"
     assert info.max_model_len == 2048
     assert "Paris" in chat.text
+
+
+async def _staged(port: int, want: float, timeout: float = 30.0) -> dict[str, float]:
+    """Wait for the decode worker's staged-transfers gauge to read `want`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        m = scrape(port)
+        if m.get("pdserve_kv_staged_transfers") == want or time.monotonic() > deadline:
+            return m
+        await asyncio.sleep(0.5)
+
+
+LEASE_S = 30.0  # the transfer lease of the test stack (the default)
+
+
+async def test_staged_transfers_are_gauged_and_released_at_once(
+    disagg_grpc: DisaggStack, prefill_stub: wpb_grpc.PrefillServiceStub, tokenizer  # type: ignore[no-untyped-def]
+) -> None:
+    # A prefill whose decode never comes: its KV waits in the decode worker's staging,
+    # which the gauge (read from vLLM's model worker) shows; Release drops it at once
+    # rather than when its lease ends, and a Decode that still comes with the handle
+    # recomputes the prompt (same tokens).
+    async with grpc.aio.insecure_channel(disagg_grpc.decode_target) as channel:
+        decode = wpb_grpc.DecodeServiceStub(channel)
+        info = await decode.GetWorkerInfo(wpb.GetWorkerInfoRequest())
+        ids = prompt_of_length(tokenizer, 200, salt="staged gauge")
+        transfer_id = f"staged-{uuid.uuid4().hex}"
+        first = await prefill_stub.Prefill(wpb.PrefillRequest(
+            request_id=uuid.uuid4().hex, prompt_token_ids=ids, transfer_id=transfer_id,
+            sampling=pb.SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True),
+            target=wpb.KVTarget(worker_id=info.worker_id, epoch=info.epoch,
+                                kv_address=info.kv_address, kv_transport=info.kv_transport,
+                                fingerprint_digest=info.fingerprint_digest)))
+        held = await _staged(disagg_grpc.decode_metrics, 1.0)
+        assert held.get("pdserve_kv_staged_transfers") == 1.0, held
+        assert held["pdserve_kv_staged_bytes"] > 0
+        released = time.monotonic()
+        await decode.Release(wpb.ReleaseRequest(transfer_id=transfer_id))
+        after = await _staged(disagg_grpc.decode_metrics, 0.0)
+        took = time.monotonic() - released
+        assert after["pdserve_kv_staged_transfers"] == 0.0, after
+        assert after["pdserve_kv_staged_bytes"] == 0.0
+        assert took < LEASE_S / 3, f"freed after {took:.1f} s: by the lease, not by Release"
+        await decode.Release(wpb.ReleaseRequest(transfer_id=transfer_id))  # idempotent
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            await decode.Release(wpb.ReleaseRequest(transfer_id="not an id!"))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    got = await _decode(disagg_grpc, wpb.DecodeRequest(
+        request_id=uuid.uuid4().hex, prompt_token_ids=ids, first_token_id=first.first_token_id,
+        sampling=pb.SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True),
+        handle=first.handle))
+    expected = await greedy(disagg_grpc.server.target, ids, 8)
+    assert [first.first_token_id, *got] == expected

@@ -13,6 +13,7 @@ import queue
 import signal
 import threading
 import time
+import uuid
 from collections.abc import Iterator
 from typing import Any
 
@@ -382,16 +383,31 @@ def test_released_staging_memory_is_reused(receivers: dict[str, Any]) -> None:
 
 
 def test_discard_while_receiving(rx: Any, tx: Any, kind: str) -> None:
-    tx.begin(rx.address, spec_for("discarded"))
-    tx.send_layer("discarded", 0, kv_layers(1)[0])
-    wait_state(rx, "discarded", ReceiveState.RECEIVING, 5)
-    rx.discard("discarded")
-    assert rx.state("discarded") is ReceiveState.UNKNOWN
+    tid = f"discarded-{kind}"  # a discarded id is refused for a lease: one per case
+    tx.begin(rx.address, spec_for(tid))
+    tx.send_layer(tid, 0, kv_layers(1)[0])
+    wait_state(rx, tid, ReceiveState.RECEIVING, 5)
+    rx.discard(tid)
+    assert rx.state(tid) is ReceiveState.UNKNOWN
     for i, t in enumerate(kv_layers(1)[1:], start=1):
-        tx.send_layer("discarded", i, t)
-    tx.end("discarded")
-    assert not wait_outcome(tx, "discarded").ok
-    assert rx.take("discarded") is None
+        tx.send_layer(tid, i, t)
+    tx.end(tid)
+    assert not wait_outcome(tx, tid).ok
+    assert rx.take(tid) is None
+    assert_still_serves(rx, kind)
+
+
+def test_a_released_transfer_is_refused_when_it_arrives(rx: Any, tx: Any, kind: str) -> None:
+    # Released before its sender started (the router's Release after a cancel can beat
+    # the prefill worker's first frame): the transfer is turned away, nothing is staged,
+    # and the sender hears of it (so the prefill side frees its blocks at once).
+    tid, before = f"released-early-{kind}", rx.staged()
+    rx.discard(tid)
+    send_all(tx, rx.address, tid, kv_layers(2))
+    outcome = wait_outcome(tx, tid)
+    assert not outcome.ok and "released by the receiver" in (outcome.error or ""), outcome
+    assert rx.state(tid) is ReceiveState.UNKNOWN
+    assert rx.staged() == before
     assert_still_serves(rx, kind)
 
 
@@ -480,7 +496,7 @@ def test_broken_grpc_streams_fail_with_a_reason(
     receivers: dict[str, Any], build: Any, code: grpc.StatusCode, reason: str
 ) -> None:
     rx = receivers["grpc"]
-    tid = "hostile"
+    tid = f"hostile-{uuid.uuid4().hex[:8]}"  # a discarded id is refused for a lease
     result = push_raw(rx.address, build(full_stream(tid)))
     assert isinstance(result, grpc.RpcError), result
     assert result.code() is code and reason in (result.details() or "")
@@ -778,6 +794,38 @@ def test_a_stream_without_a_header_is_cut_off(method: str) -> None:
             took = time.monotonic() - t0
             gate.set()
         assert err.value.code() is grpc.StatusCode.CANCELLED and took < 10
+        assert_still_serves(rx)
+    finally:
+        gate.set()
+        rx.close()
+
+
+def test_a_full_handler_pool_refuses_at_once_and_recovers() -> None:
+    # Two handler threads, both held by streams that never send a header: a third
+    # stream is refused RESOURCE_EXHAUSTED at once (not queued behind them), and once
+    # the header deadline cuts the idle ones off the receiver serves again.
+    cfg = dataclasses.replace(CFG, max_streams=2, header_timeout_s=3.0)
+    rx = make_receiver("grpc", RX_ID, cfg, "127.0.0.1", 0)
+    gate = threading.Event()
+
+    def nothing() -> Iterator[bytes]:
+        gate.wait(20)
+        yield from ()
+
+    try:
+        with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
+            push = channel.stream_unary(PUSH)
+            idle = [push.future(nothing(), timeout=15) for _ in range(2)]
+            time.sleep(0.5)  # both are being served (each holds a handler thread)
+            t0 = time.monotonic()
+            with pytest.raises(grpc.RpcError) as err:
+                push(nothing(), timeout=15)
+            took = time.monotonic() - t0
+            codes = [f.exception().code() for f in idle]  # type: ignore[union-attr]
+        assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
+        assert took < 1.0, f"refused after {took:.2f} s, not at once"
+        assert codes == [grpc.StatusCode.CANCELLED] * 2  # cut off by the header deadline
+        gate.set()
         assert_still_serves(rx)
     finally:
         gate.set()

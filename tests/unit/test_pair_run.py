@@ -61,6 +61,14 @@ class FakeDecodeWorker(wpb_grpc.DecodeServiceServicer):
     hang_after: int | None = None
     requests: list[wpb.DecodeRequest] = field(default_factory=list)
     hung: asyncio.Event = field(default_factory=asyncio.Event)
+    released: list[str] = field(default_factory=list)  # transfer ids, in order
+    release_seen: asyncio.Event = field(default_factory=asyncio.Event)
+
+    async def Release(self, req: wpb.ReleaseRequest, context: grpc.aio.ServicerContext
+                      ) -> wpb.ReleaseResponse:
+        self.released.append(req.transfer_id)
+        self.release_seen.set()
+        return wpb.ReleaseResponse()
 
     async def Decode(self, req: wpb.DecodeRequest, context: grpc.aio.ServicerContext
                      ) -> AsyncIterator[pb.GenerateResponse]:
@@ -163,12 +171,38 @@ async def test_pair_run_splits_the_budget_and_merges_the_timings(fakes) -> None:
 
 
 async def test_a_one_token_answer_never_reaches_decode(fakes) -> None:  # type: ignore[no-untyped-def]
-    (_, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
+    (prefill, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
     async with dial(p_addr) as pc, dial(d_addr) as dc:
         tokens, last = await collect(run_pair(request(1), Peer("p", pc), Peer("d1", dc),
                                               wpb.KVTarget(worker_id="d1", epoch=1)))
+        await asyncio.wait_for(decode.release_seen.wait(), 5)
     assert tokens == ANSWER[:1] and last.finish_reason == "length"
     assert decode.requests == []
+    # ... but its KV was shipped there: released at once rather than left to its lease
+    assert decode.released == [prefill.requests[0].transfer_id]
+
+
+async def test_a_loaded_transfer_is_not_released(fakes) -> None:  # type: ignore[no-untyped-def]
+    (_, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
+    async with dial(p_addr) as pc, dial(d_addr) as dc:
+        tokens, _ = await collect(run_pair(request(6), Peer("p", pc), Peer("d1", dc),
+                                           wpb.KVTarget(worker_id="d1", epoch=1)))
+        await asyncio.sleep(0.2)
+    assert tokens == ANSWER[:6] and decode.released == []
+
+
+async def test_a_cancelled_request_releases_its_transfer(fakes) -> None:  # type: ignore[no-untyped-def]
+    # The client goes away after token 1: the decode worker is told to drop the KV
+    # shipped for the request (the prefill's transfer id) instead of holding it.
+    (prefill, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
+    async with dial(p_addr) as pc, dial(d_addr) as dc:
+        stream = run_pair(request(6), Peer("p", pc), Peer("d1", dc),
+                          wpb.KVTarget(worker_id="d1", epoch=1))
+        first = await anext(stream)
+        await stream.aclose()
+        await asyncio.wait_for(decode.release_seen.wait(), 5)
+    assert first.token_ids == ANSWER[:1]
+    assert decode.released == [prefill.requests[0].transfer_id]
 
 
 def router(fakes, decodes: tuple[str, ...] = ("d1", "d2"), **config: object) -> RouterBackend:  # type: ignore[no-untyped-def]

@@ -166,6 +166,11 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Release = channel.unary_unary(
+                '/pdserve.v1.DecodeService/Release',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
+                _registered_method=True)
         self.GetWorkerInfo = channel.unary_unary(
                 '/pdserve.v1.DecodeService/GetWorkerInfo',
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
@@ -181,7 +186,18 @@ class DecodeServiceServicer:
         """Decode continues a prefilled request: waits for its KV, then streams tokens 2..n as
         Chunk messages and one Final. A missing, expired, corrupt or late transfer is
         recomputed locally or refused, by the worker's KV load failure policy.
-        A transfer that no Decode call takes is dropped when its lease runs out.
+        A transfer that no Decode call takes is dropped when its lease runs out, or at once
+        by Release.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Release(self, request, context):
+        """Release drops a transfer that no Decode call will take (its request was cancelled,
+        failed or moved after its prefill): staged KV is freed now, and for a lease its id is
+        refused, so a transfer still on its way stops and its sender frees the prefill
+        worker's blocks. Idempotent; an unknown id is not an error.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -201,6 +217,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generate__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
             ),
             'GetWorkerInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetWorkerInfo,
@@ -236,6 +257,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/Decode',
             pdserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             pdserve_dot_v1_dot_generate__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Release(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/Release',
+            pdserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -81,7 +81,12 @@ class KVReceiver(ABC):
 
     @abstractmethod
     def discard(self, transfer_id: str) -> None:
-        """Drop a transfer in any state (a RECEIVING one fails and stops being staged)."""
+        """Drop a transfer in any state (a RECEIVING one fails and stops being staged);
+        for one lease a transfer with this id is refused."""
+
+    @abstractmethod
+    def staged(self) -> tuple[int, int]:
+        """(transfers, bytes) held in staging now, in any state."""
 
     def release(self, kv: ReceivedKV) -> None:
         """Give a taken transfer's memory back for reuse, once its layers were copied out.

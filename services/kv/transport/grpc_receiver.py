@@ -23,11 +23,8 @@ from services.kv.transport.grpc_channel import SERVICE, bind, server_options
 from services.kv.transport.shm_receiver import ShmInbound
 from services.kv.transport.shm_segments import SegmentPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransportConfig
-from services.kv.transport.staging import (
-    Staged,
-    StagingTable,
-    TransferFault,
-)
+from services.kv.transport.staged import Staged, TransferFault
+from services.kv.transport.staging import StagingTable
 from services.kv.transport.stream_status import stream_failure
 
 logger = logging.getLogger(__name__)
@@ -94,6 +91,9 @@ class GrpcKVReceiver(KVReceiver):
 
     def discard(self, transfer_id: str) -> None:
         self.table.discard(transfer_id)
+
+    def staged(self) -> tuple[int, int]:
+        return self.table.staged()
 
     def release(self, kv: ReceivedKV) -> None:
         self.table.release(kv)

@@ -19,11 +19,8 @@ import grpc
 from services.kv.transport import checksum, frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.shm_segments import SegmentPool
-from services.kv.transport.staging import (
-    Staged,
-    StagingTable,
-    TransferFault,
-)
+from services.kv.transport.staged import Staged, TransferFault
+from services.kv.transport.staging import StagingTable
 from services.kv.transport.stream_status import stream_failure
 
 

@@ -15,8 +15,6 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 
@@ -25,57 +23,9 @@ from services.kv.transport import checksum
 from services.kv.transport.frames import DataFrame, byte_view
 from services.kv.transport.slab_pool import SlabPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransferSpec, TransportConfig
+from services.kv.transport.staged import Pool, Refused, Staged, TransferFault
 
 logger = logging.getLogger(__name__)
-
-
-class Pool(Protocol):
-    """Where staging memory comes from: `SlabPool` (private) or `SegmentPool` (shared)."""
-
-    def get(self, nbytes: int) -> torch.Tensor: ...
-
-    def put(self, slab: torch.Tensor) -> None: ...
-
-    def retire(self, slab: torch.Tensor) -> None: ...
-
-
-class Refused(Exception):
-    """The header was not accepted (incompatible peer, duplicate id, no room)."""
-
-
-class TransferFault(Exception):
-    """The transfer broke a rule mid-way; it is FAILED and the stream should stop.
-
-    `data_loss` tells corrupt or missing bytes (checksum, truncation) from protocol
-    violations, so the server can answer DATA_LOSS or INVALID_ARGUMENT.
-    """
-
-    def __init__(self, reason: str, data_loss: bool = False) -> None:
-        super().__init__(reason)
-        self.data_loss = data_loss
-
-
-@dataclass(eq=False)
-class Staged:
-    """One inbound transfer. Only its owning stream writes `layers`."""
-
-    spec: TransferSpec
-    sender: PeerIdentity
-    layers: list[torch.Tensor]
-    views: list[memoryview | None]  # byte views of CPU layers, made on first write
-    first_ts: float
-    first_wall: float
-    last_progress: float
-    state: ReceiveState = ReceiveState.RECEIVING
-    error: str | None = None
-    filled: list[int] = field(default_factory=list)  # bytes received per layer
-    next_chunk: list[int] = field(default_factory=list)  # expected chunk index per layer
-    expires: float = 0.0  # COMPLETE / FAILED records are dropped after this
-    last_wall: float = 0.0
-    on_stall: Callable[[], None] | None = None  # stops the stream when the reaper fails it
-    slab: torch.Tensor | None = None  # pooled memory under `layers`
-    checksum: str = checksum.DEFAULT  # the algorithm the sender named in its header
-    pool: Pool | None = None  # where `slab` came from and goes back to
 
 
 class StagingTable:
@@ -95,6 +45,9 @@ class StagingTable:
         self._cond = threading.Condition()
         self.pool = SlabPool(torch.device(config.device), config.pool_bytes)
         self._lent: dict[int, Pool] = {}  # data_ptr of a taken transfer's slab -> its pool
+        # Discarded transfer ids -> when to forget them: a transfer released before (or
+        # while) it arrives is refused, which stops its sender and frees its blocks.
+        self._gone: dict[str, float] = {}
 
     # -- opening ---------------------------------------------------------------------
     def refusal(self, sender: PeerIdentity, spec: TransferSpec) -> str | None:
@@ -134,6 +87,9 @@ class StagingTable:
             raise Refused(f"unknown checksum algorithm {algorithm!r} (this receiver knows {known})")
         need = spec.total_nbytes
         with self._cond:
+            if spec.transfer_id in self._gone:
+                raise Refused(f"transfer {spec.transfer_id} was released by the receiver "
+                              "(its request was cancelled or moved)")
             old = self._items.get(spec.transfer_id)
             if old is not None and old.state is not ReceiveState.FAILED:
                 raise Refused(f"transfer {spec.transfer_id} is already {old.state.value}")
@@ -318,7 +274,10 @@ class StagingTable:
         kv.layers, kv.storage = [], None
 
     def discard(self, transfer_id: str) -> None:
+        """Drop a transfer nobody will take, in any state, now; for one lease its id is
+        refused, so a sender that has not started yet (or still sends) is turned away."""
         with self._cond:
+            self._gone[transfer_id] = self._clock() + self.config.lease_s
             st = self._items.pop(transfer_id, None)
             if st is not None:
                 if st.state is ReceiveState.COMPLETE and st.slab is not None and st.pool:
@@ -346,6 +305,13 @@ class StagingTable:
         with self._cond:
             return self._staged_bytes
 
+    def staged(self) -> tuple[int, int]:
+        """(transfers, bytes) held now: receiving, or received and not yet taken (a
+        failed transfer's record holds no memory and is not counted)."""
+        with self._cond:
+            held = sum(st.state is not ReceiveState.FAILED for st in self._items.values())
+            return held, self._staged_bytes
+
     # -- housekeeping ----------------------------------------------------------------
     def sweep(self) -> float:
         """Fail stalled transfers, drop expired ones; returns seconds until the next due."""
@@ -353,6 +319,9 @@ class StagingTable:
         stalled: list[Staged] = []
         next_due = min(cfg.stall_timeout_s, cfg.lease_s)
         with self._cond:
+            for tid, until in list(self._gone.items()):
+                if now >= until:
+                    del self._gone[tid]
             for tid, st in list(self._items.items()):
                 if st.state is ReceiveState.RECEIVING:
                     idle = now - st.last_progress

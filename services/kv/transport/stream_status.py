@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from services.kv.transport.frames import FrameError
-from services.kv.transport.staging import Refused, TransferFault
+from services.kv.transport.staged import Refused, TransferFault
 
 
 def stream_failure(e: BaseException) -> tuple[grpc.StatusCode, str] | None:

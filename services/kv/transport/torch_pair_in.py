@@ -12,7 +12,7 @@ from services.kv.fingerprint import PeerIdentity
 from services.kv.transport import frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
-from services.kv.transport.staging import Refused, Staged, TransferFault
+from services.kv.transport.staged import Refused, Staged, TransferFault
 from services.kv.transport.torch_pair import DRAIN_LIMIT, payload_checksum
 
 
