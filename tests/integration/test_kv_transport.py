@@ -773,24 +773,25 @@ def test_segments_of_a_dead_receiver_are_swept() -> None:
 # -- receiver hardening ------------------------------------------------------------------------
 
 
+def silent(gate: threading.Event) -> Iterator[bytes]:
+    """A stream's requests that send nothing until `gate` is set."""
+    gate.wait(20)
+    yield from ()
+
+
 @pytest.mark.parametrize("method", [PUSH, PAIR, SHM])
 def test_a_stream_without_a_header_is_cut_off(method: str) -> None:
     cfg = dataclasses.replace(CFG, header_timeout_s=0.5)
     rx = make_receiver("torch", RX_ID, cfg, "127.0.0.1", 0)
     gate = threading.Event()
-
-    def nothing() -> Iterator[bytes]:
-        gate.wait(20)
-        yield from ()
-
     try:
         with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
                 if method == PUSH:
-                    channel.stream_unary(method)(nothing(), timeout=15)
+                    channel.stream_unary(method)(silent(gate), timeout=15)
                 else:
-                    list(channel.stream_stream(method)(nothing(), timeout=15))
+                    list(channel.stream_stream(method)(silent(gate), timeout=15))
             took = time.monotonic() - t0
             gate.set()
         assert err.value.code() is grpc.StatusCode.CANCELLED and took < 10
@@ -807,19 +808,14 @@ def test_a_full_handler_pool_refuses_at_once_and_recovers() -> None:
     cfg = dataclasses.replace(CFG, max_streams=2, header_timeout_s=3.0)
     rx = make_receiver("grpc", RX_ID, cfg, "127.0.0.1", 0)
     gate = threading.Event()
-
-    def nothing() -> Iterator[bytes]:
-        gate.wait(20)
-        yield from ()
-
     try:
         with grpc.insecure_channel(rx.address, options=channel_options(CFG)) as channel:
             push = channel.stream_unary(PUSH)
-            idle = [push.future(nothing(), timeout=15) for _ in range(2)]
+            idle = [push.future(silent(gate), timeout=15) for _ in range(2)]
             time.sleep(0.5)  # both are being served (each holds a handler thread)
             t0 = time.monotonic()
             with pytest.raises(grpc.RpcError) as err:
-                push(nothing(), timeout=15)
+                push(silent(gate), timeout=15)
             took = time.monotonic() - t0
             codes = [f.exception().code() for f in idle]  # type: ignore[union-attr]
         assert err.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED, err.value
