@@ -8,6 +8,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import grpc
 import pytest
@@ -346,3 +347,20 @@ async def test_staged_transfers_are_gauged_and_released_at_once(
         handle=first.handle))
     expected = await greedy(disagg_grpc.server.target, ids, 8)
     assert [first.first_token_id, *got] == expected
+
+
+async def test_engines_run_on_tcmalloc(disagg_grpc: DisaggStack) -> None:
+    # vLLM's CPU engines are meant to run on tcmalloc (glibc malloc let a prefill
+    # engine's RSS grow under long prompts): every engine process of the stack maps it.
+    import psutil
+
+    from services.engine.config import find_tcmalloc
+
+    assert find_tcmalloc(), "libtcmalloc-minimal4 is missing: `make setup` installs it"
+    assert disagg_grpc.server.proc is not None
+    engines = [p for p in psutil.Process(disagg_grpc.server.proc.pid).children(recursive=True)
+               if p.name().startswith("VLLM::")]
+    assert len(engines) >= 4, engines  # an engine core and a model worker per worker
+    for p in engines:
+        maps = Path(f"/proc/{p.pid}/maps").read_text()
+        assert "libtcmalloc" in maps, f"{p.name()} ({p.pid}) does not run on tcmalloc"

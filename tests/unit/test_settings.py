@@ -52,3 +52,19 @@ def test_cpu_env_pins_explicit_cores() -> None:
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
     assert env["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
     assert EngineConfig().resolved_cores()  # never vLLM's "auto"
+
+
+def test_engine_allocator_goes_in_front_of_ld_preload(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Pure logic: where tcmalloc is found is FAKED here (the engine tests use the real one).
+    from services.engine import config
+
+    monkeypatch.setattr(config, "find_tcmalloc", lambda: "libtcmalloc_minimal.so.4")
+    assert config.preload_allocator("auto", "") == "libtcmalloc_minimal.so.4"
+    assert config.preload_allocator("tcmalloc", "libgomp.so") == (
+        "libtcmalloc_minimal.so.4:libgomp.so")
+    assert config.preload_allocator("auto", "/x/libtcmalloc.so") == "/x/libtcmalloc.so"
+    assert config.preload_allocator("system", "libgomp.so") == "libgomp.so"
+    monkeypatch.setattr(config, "find_tcmalloc", lambda: None)
+    assert config.preload_allocator("auto", "libgomp.so") == "libgomp.so"  # with a warning
+    with pytest.raises(RuntimeError, match="libtcmalloc-minimal4"):
+        config.preload_allocator("tcmalloc", "")
