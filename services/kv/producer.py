@@ -12,7 +12,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,6 +27,7 @@ from services.kv.transport import (
     make_shm_sender,
 )
 from services.kv.transport.shm_sender import ShmKVSender
+from services.kv.transport.slab_pool import SlabPool
 
 REASON_DISABLED = "shm_disabled"  # this worker's `shm` key is false
 
@@ -39,6 +40,8 @@ class _Sending:
     started: float  # time.monotonic()
     kind: str  # the sender it went to: a network kind, or "shm:<network kind>"
     layers_sent: int = 0
+    slab: torch.Tensor | None = None  # pooled memory under `copies` (CPU caches)
+    copies: list[torch.Tensor] = field(default_factory=list)  # per layer, filled as computed
 
 
 class Producer:
@@ -65,6 +68,10 @@ class Producer:
         self._owned: set[str] = set()  # req ids with a transfer not yet reported to vLLM
         self._done: set[str] = set()  # req ids whose transfer is over (acked, failed, expired)
         self._finished: set[str] = set()  # req ids vLLM has finished (from finished_req_ids)
+        # Each transfer's private copy of its blocks lives in one reused slab (CPU caches;
+        # CUDA's caching allocator already reuses memory): copies of varying sizes made
+        # per request and freed at its ack let the engine's RSS creep up in steps.
+        self._pool = SlabPool(torch.device("cpu"), config.pool_bytes)
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._layer_index = {name: i for i, name in enumerate(kv_caches)}
@@ -124,6 +131,7 @@ class Producer:
         sending = self._sending.pop(job.transfer_id, None)
         if sending is not None:
             self._sender(sending.kind).cancel(job.transfer_id)
+            self._recycle(sending)
         self._block_ids.pop(job.transfer_id, None)
         self._owned.add(job.req_id)
         self._done.add(job.req_id)
@@ -137,7 +145,10 @@ class Producer:
         ids = self._block_ids[job.transfer_id]
         # A private copy of this layer's blocks (cheap: ~1% of the layer's compute);
         # the sender's threads ship it while later layers compute.
-        blocks = kv_layer.index_select(0, ids)
+        if sending.copies:
+            blocks = torch.index_select(kv_layer, 0, ids, out=sending.copies[idx])
+        else:
+            blocks = kv_layer.index_select(0, ids)
         self._sender(sending.kind).send_layer(job.transfer_id, idx, blocks)
         sending.layers_sent += 1
         if sending.layers_sent == len(self._layer_index):
@@ -156,6 +167,13 @@ class Producer:
             receiver_fingerprint=job.decode_fingerprint,
         )
         sending = _Sending(job, time.monotonic(), self._route(job))
+        if kv_layer.device.type == "cpu":
+            step = spec.layer_nbytes
+            sending.slab = self._pool.get(spec.total_nbytes)
+            sending.copies = [
+                sending.slab[i * step : (i + 1) * step].view(spec.dtype).view(spec.layer_shape)
+                for i in range(spec.num_layers)
+            ]
         self._sending[job.transfer_id] = sending
         self._owned.add(job.req_id)
         sender = self._sender(sending.kind)
@@ -178,6 +196,7 @@ class Producer:
                 self._block_ids.pop(outcome.transfer_id, None)
                 if sending is None:
                     continue
+                self._recycle(sending)
                 if not outcome.ok:
                     log.warning("KV transfer %s failed: %s", outcome.transfer_id, outcome.error)
                 self._done.add(sending.job.req_id)
@@ -188,6 +207,7 @@ class Producer:
                     "KV transfer %s: lease of %.0f s ran out; freeing its blocks", tid, self.lease_s
                 )
                 self._sender(sending.kind).cancel(tid)
+                self._recycle(sending)
                 del self._sending[tid]
                 self._block_ids.pop(tid, None)
                 self._done.add(sending.job.req_id)
@@ -198,6 +218,14 @@ class Producer:
         self._finished -= ready
         self._owned -= ready
         return ready
+
+    def _recycle(self, sending: _Sending) -> None:
+        """The transfer is over: its copies go back to the pool. A sender thread that
+        is still reading a failed transfer's copy only ever reads it, and what it reads
+        no longer matters."""
+        if sending.slab is not None:
+            slab, sending.slab, sending.copies = sending.slab, None, []
+            self._pool.put(slab)
 
     def close(self) -> None:
         for sender in self._senders.values():

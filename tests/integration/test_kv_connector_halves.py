@@ -131,3 +131,33 @@ def test_a_cancelled_load_releases_at_once_and_an_unknown_one_fails(
         assert done == failed == {"dreq-u"}  # vLLM recomputes (or fails) by its policy
     finally:
         fast.close()
+
+
+def test_the_send_copies_reuse_one_slab_and_stay_bit_exact(
+        halves: tuple[Producer, Consumer]) -> None:
+    # Two transfers one after the other: the second's copies go into the slab the first
+    # gave back at its ack (no new memory per request), and each arrives bit-exact.
+    producer, consumer = halves
+    prefill_cache = caches(seed=3)
+    producer.register_kv_caches(prefill_cache)
+    slabs = set()
+    runs = (("t-pool-1", [1, 2, 3], [4, 5, 6]), ("t-pool-2", [8, 0, 5], [9, 1, 2]))
+    for tid, blocks, dst in runs:
+        decode_cache = caches(seed=None)
+        consumer.register_kv_caches(decode_cache)
+        job = save_job(consumer, tid, blocks=blocks, same_host=True)
+        for name in LAYERS:
+            producer.save_kv_layer(PdserveConnectorMetadata(saves=[job]), name,
+                                   prefill_cache[name])
+        slab = producer._sending[tid].slab
+        assert slab is not None
+        slabs.add(slab.data_ptr())
+        done, failed = load_until_done(consumer, LoadJob(f"dreq-{tid}", tid, dst, 0))
+        assert done == {f"dreq-{tid}"} and not failed
+        for name in LAYERS:
+            assert torch.equal(decode_cache[name][dst], prefill_cache[name][blocks])
+        deadline = time.monotonic() + 10
+        while job.req_id not in producer.get_finished({job.req_id}):
+            assert time.monotonic() < deadline, "the transfer was never acknowledged"
+            time.sleep(0.02)
+    assert len(slabs) == 1 and producer._pool.pooled_bytes == slab.numel()
