@@ -37,13 +37,14 @@ class RouterConfig(BaseSettings):
     migration_limit: int = Field(
         3, ge=0, description="router: times a request may move to another worker when the "
         "one serving it fails (before or after its first token); 0 = fail the request")
-    # A hang costs silence + probe before the stream moves: half a second each keeps a
-    # moved stream's gap within a re-prefill plus 1 s; a slow but live worker answers the
-    # probe (health is served off the engine's process) and keeps its streams.
+    # A hang costs silence + probe before the stream moves. Silence only triggers a
+    # probe, so it can be short; the probe's timeout must cover a live worker whose
+    # process is starved by its engine on a busy core: at 0.5 s one such worker was
+    # taken for hung on two cores (BENCHMARKS.md, "Handoff stall"), at 1 s none was.
     stream_silence_s: float = Field(
         0.5, gt=0, description="router: a worker silent this long in a request is probed "
         "for liveness; one that does not answer is treated as failed (a hang)")
-    probe_timeout_s: float = Field(0.5, gt=0, description="router: longest wait for a "
+    probe_timeout_s: float = Field(1.0, gt=0, description="router: longest wait for a "
                                    "liveness probe's answer")
     refresh_s: float = Field(0.5, gt=0, description="router: how often the worker view is "
                              "re-read from Redis")
