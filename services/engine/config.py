@@ -115,6 +115,10 @@ class EngineConfig(BaseSettings):
         True, description="skip torch.compile and graph capture (faster start-up)"
     )
     seed: int = Field(0, description="engine random seed")
+    engine_nice: int = Field(
+        10, ge=0, le=19, description="CPU: niceness the engine's processes get above this "
+        "process's, so RPCs, health checks and the router preempt model compute on shared "
+        "cores (0 = same priority)")
     allocator: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",
         description="CPU: memory allocator of the engine's processes (LD_PRELOAD); auto = "

@@ -41,6 +41,25 @@ class ModelFacts:
     dtype: str
 
 
+def renice_children(offset: int) -> None:
+    """Lower the scheduling priority of this process's children (the engine core and its
+    model workers, spawned by now) to `offset` above this process's own niceness.
+
+    On a CPU host the model's compute threads and the serving plane (this worker's RPCs
+    and health answers, the router, the KV receiver's control stream) share cores; at
+    equal priority a busy engine delays them by whole scheduler slices, which clients see
+    as stalls and the router's liveness probe as a hang.
+    """
+    import psutil
+
+    target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + offset)
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.nice(target)
+        except (psutil.Error, OSError) as e:  # gone already, or not ours to change
+            log.debug("could not renice %s: %s", child.pid, e)
+
+
 class Engine:
     """One `AsyncLLM` plus the tokenizer and facts about its model."""
 
@@ -93,6 +112,8 @@ class Engine:
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         log.info("starting vLLM engine for %s", self.model_path)
         self._llm = AsyncLLM.from_engine_args(self.engine_args())
+        if cpu_only() and self.config.engine_nice:
+            renice_children(self.config.engine_nice)
         self._facts = self._read_facts()
 
     def shutdown(self) -> None:

@@ -349,9 +349,12 @@ async def test_staged_transfers_are_gauged_and_released_at_once(
     assert [first.first_token_id, *got] == expected
 
 
-async def test_engines_run_on_tcmalloc(disagg_grpc: DisaggStack) -> None:
+async def test_engine_processes_run_on_tcmalloc_below_the_serving_plane(
+        disagg_grpc: DisaggStack) -> None:
     # vLLM's CPU engines are meant to run on tcmalloc (glibc malloc let a prefill
-    # engine's RSS grow under long prompts): every engine process of the stack maps it.
+    # engine's RSS grow under long prompts), and at a lower priority than the worker
+    # process that answers RPCs and health checks: every engine process of the stack
+    # maps tcmalloc and is niced `engine_nice` (10) above its worker.
     import psutil
 
     from services.engine.config import find_tcmalloc
@@ -364,3 +367,5 @@ async def test_engines_run_on_tcmalloc(disagg_grpc: DisaggStack) -> None:
     for p in engines:
         maps = Path(f"/proc/{p.pid}/maps").read_text()
         assert "libtcmalloc" in maps, f"{p.name()} ({p.pid}) does not run on tcmalloc"
+        worker = next(a for a in p.parents() if not a.name().startswith("VLLM::"))
+        assert p.nice() == min(19, worker.nice() + 10), (p.name(), p.nice(), worker.nice())
