@@ -41,23 +41,29 @@ class ModelFacts:
     dtype: str
 
 
-def renice_children(offset: int) -> None:
-    """Lower the scheduling priority of this process's children (the engine core and its
-    model workers, spawned by now) to `offset` above this process's own niceness.
+def children() -> set[int]:
+    import psutil
+
+    return {c.pid for c in psutil.Process().children(recursive=True)}
+
+
+def renice(pids: set[int], offset: int) -> None:
+    """Lower the scheduling priority of `pids` (the engine core and its model workers)
+    to `offset` above this process's own niceness.
 
     On a CPU host the model's compute threads and the serving plane (this worker's RPCs
     and health answers, the router, the KV receiver's control stream) share cores; at
     equal priority a busy engine delays them by whole scheduler slices, which clients see
-    as stalls and the router's liveness probe as a hang.
+    as stalls and the router's liveness probe as a hang (BENCHMARKS.md, "Handoff stall").
     """
     import psutil
 
     target = min(19, os.getpriority(os.PRIO_PROCESS, 0) + offset)
-    for child in psutil.Process().children(recursive=True):
+    for pid in pids:
         try:
-            child.nice(target)
+            psutil.Process(pid).nice(target)
         except (psutil.Error, OSError) as e:  # gone already, or not ours to change
-            log.debug("could not renice %s: %s", child.pid, e)
+            log.debug("could not renice %s: %s", pid, e)
 
 
 class Engine:
@@ -111,9 +117,10 @@ class Engine:
         os.environ.update(self.config.vllm_env())
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         log.info("starting vLLM engine for %s", self.model_path)
+        before = children()
         self._llm = AsyncLLM.from_engine_args(self.engine_args())
-        if cpu_only() and self.config.engine_nice:
-            renice_children(self.config.engine_nice)
+        if cpu_only() and self.config.engine_nice:  # only the processes vLLM just spawned
+            renice(children() - before, self.config.engine_nice)
         self._facts = self._read_facts()
 
     def shutdown(self) -> None:
