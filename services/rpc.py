@@ -5,7 +5,9 @@ credentials are set in one place."""
 
 from __future__ import annotations
 
+import random
 import socket
+from pathlib import Path
 
 import grpc
 
@@ -52,10 +54,37 @@ def dial(address: str, max_message_bytes: int = MAX_MESSAGE_BYTES) -> grpc.aio.C
     return internal_channel(address, _internal_tls, grpc_options(max_message_bytes))
 
 
+_HANDED_OUT: set[int] = set()  # ports free_port gave this process, never given twice
+
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (Linux default 32768)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now (for tests and local child processes that take a port
-    number; servers of our own bind port 0 and report what they got instead)."""
-    with socket.socket() as s:
+    number; servers of our own bind port 0 and report what they got instead).
+
+    Chosen below the kernel's ephemeral range: a port that bind(0) returns is an
+    ephemeral one, which the kernel may give to another socket (an engine's, a client's
+    connection) before the child process binds it, often tens of seconds later."""
+    low = _ephemeral_low()
+    for _ in range(256):
+        port = random.randrange(max(1024, low - 12288), low)
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    with socket.socket() as s:  # that range is full: an ephemeral port, as before
         s.bind((host, 0))
         return int(s.getsockname()[1])
 
