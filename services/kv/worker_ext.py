@@ -5,7 +5,7 @@ The receiver stages inbound transfers inside vLLM's model-worker process, where 
 connector's worker half lives, not in the pdserve worker process that Prometheus scrapes
 and that serves the Release RPC. vLLM's per-step connector stats (`stats.py`) cannot
 carry a level: they flow only while the engine steps, so a gauge fed by them would keep
-its last value once the load stops. Instead `KVStatsExtension` (vLLM's
+its last value once the load stops. Instead `KVWorkerExtension` (vLLM's
 `worker_extension_cls`) adds methods to the model worker, and the pdserve worker calls
 them with `AsyncLLM.collective_rpc`, which the engine core answers even when idle.
 """
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-EXTENSION = f"{__name__}.KVStatsExtension"
+EXTENSION = f"{__name__}.KVWorkerExtension"
 READ_METHOD = "pdserve_kv_staged"
 RELEASE_METHOD = "pdserve_kv_release"
 
@@ -37,7 +37,7 @@ STAGED_TRANSFERS = Gauge(
 STAGED_BYTES = Gauge("pdserve_kv_staged_bytes", "bytes of KV held in this worker's staging")
 
 
-class KVStatsExtension:
+class KVWorkerExtension:
     """Mixed into vLLM's model worker class (`worker_extension_cls`)."""
 
     def pdserve_kv_staged(self) -> tuple[int, int]:
