@@ -110,6 +110,10 @@ class EngineConfig(BaseSettings):
     max_num_batched_tokens: int = Field(
         0, ge=0, description="token budget per step (chunked prefill size); 0 = vLLM's default"
     )
+    long_prefill_token_threshold: int = Field(
+        0, ge=0, description="most tokens of one prompt per step: longer prompts prefill in "
+        "chunks this size, so a request that arrives behind a long prompt waits one chunk, "
+        "not the whole prefill (vLLM's --long-prefill-token-threshold; 0 = no limit)")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(
         True, description="skip torch.compile and graph capture (faster start-up)"
@@ -129,6 +133,8 @@ class EngineConfig(BaseSettings):
     def _check(self) -> EngineConfig:
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
+        if self.long_prefill_token_threshold > self.max_model_len:
+            raise ValueError("long_prefill_token_threshold must be <= max_model_len")
         return self
 
     def resolved_dtype(self) -> str:

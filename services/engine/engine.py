@@ -105,6 +105,8 @@ class Engine:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:
             kwargs["max_num_batched_tokens"] = c.max_num_batched_tokens
+        if c.long_prefill_token_threshold:
+            kwargs["long_prefill_token_threshold"] = c.long_prefill_token_threshold
         if not cpu_only():
             kwargs["gpu_memory_utilization"] = c.gpu_memory_utilization
         return AsyncEngineArgs(**kwargs)

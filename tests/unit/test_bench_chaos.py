@@ -71,3 +71,24 @@ def test_growth_is_taken_between_the_window_ends_skipping_missing_samples() -> N
     assert (g["from"], g["to"], g["change"]) == (104.0, 110.0, 6.0)
     assert g["relative"] == pytest.approx(6 / 104)
     assert growth([None, None], [0, 1], 0, 1)["change"] is None
+
+
+def test_reference_outputs_are_reused_only_for_the_same_requests(tmp_path) -> None:
+    import json
+
+    from services.bench.records import RequestSpec
+    from services.bench.reference import greedy_reference
+
+    specs = [RequestSpec([1, 2, 3], 2), RequestSpec([4, 5], 3)]
+    requests = json.dumps([{"prompt_token_ids": s.prompt_ids, "max_tokens": s.output_len}
+                           for s in specs])
+    (tmp_path / "reference-requests.json").write_text(requests)
+    (tmp_path / "reference-outputs.json").write_text(json.dumps([[7, 8], [9, 9, 9]]))
+    # The same requests: no engine is started (the model folder does not exist).
+    assert greedy_reference(str(tmp_path / "no-model"), specs, tmp_path) == [[7, 8], [9, 9, 9]]
+    # Other requests: the stale outputs are not returned; generation is attempted (and
+    # fails here, without a model).
+    with pytest.raises(Exception):
+        greedy_reference(str(tmp_path / "no-model"), [RequestSpec([1, 2, 3], 5)], tmp_path,
+                         timeout_s=120)
+    assert not (tmp_path / "reference-outputs.json").exists()

@@ -47,6 +47,18 @@ def test_invalid_values_are_refused() -> None:
         parse(["--dtype", "int3"])
 
 
+def test_chunking_settings_reach_vllm() -> None:
+    from services.engine.engine import Engine
+
+    args = Engine(EngineConfig(max_num_batched_tokens=512,
+                               long_prefill_token_threshold=256)).engine_args()
+    assert (args.max_num_batched_tokens, args.long_prefill_token_threshold) == (512, 256)
+    default = Engine(EngineConfig()).engine_args()
+    assert default.long_prefill_token_threshold == 0  # vLLM's own default
+    with pytest.raises(ValueError, match="max_model_len"):
+        EngineConfig(max_model_len=1024, long_prefill_token_threshold=2048)
+
+
 def test_cpu_env_pins_explicit_cores() -> None:
     env = EngineConfig(cpu_cores="1", kv_cache_gib=0.5).vllm_env()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
