@@ -44,7 +44,7 @@ from services.router.policies import (
 )
 from services.router.prefix import block_hashes
 from services.router.view import WorkerView
-from services.router.watchdog import Liveness
+from services.router.watchdog import Liveness, answers
 from services.rpc import dial
 
 if TYPE_CHECKING:
@@ -83,7 +83,7 @@ def _child(metric: Counter, *labels: str) -> Any:
 
 
 SUSPECT_S = 2.0  # a worker that just failed a call is skipped this long (then doubling)
-SUSPECT_MAX_S = 30.0
+SUSPECT_MAX_S = 30.0  # ... and then until it answers a health probe
 
 
 class RouterBackend:
@@ -104,9 +104,10 @@ class RouterBackend:
         self._peers: dict[tuple[str, str], Peer] = {}  # (worker id, address) -> its calls
         self._facts: ModelFacts | None = None
         self._refresher: asyncio.Task[None] | None = None
-        # Workers that just failed a call: skipped until their record expires or they
-        # answer heartbeats again with a new epoch (a few seconds).
+        # Workers that just failed a call: skipped for a pause, then until they answer a
+        # health probe (`_recheck_forever`), leave the view, or finish a request.
         self._suspects: dict[str, tuple[float, int]] = {}  # id -> (until, failures)
+        self._rechecker: asyncio.Task[None] | None = None
         self._empty_since = float("inf")
         self.liveness = Liveness(config.stream_silence_s, config.probe_timeout_s)
 
@@ -125,6 +126,7 @@ class RouterBackend:
                 raise TimeoutError("no decode worker registered in Redis")
             await asyncio.sleep(self.config.refresh_s)
         self._refresher = asyncio.create_task(self._refresh_forever())
+        self._rechecker = asyncio.create_task(self._recheck_forever())
 
     async def refresh(self) -> None:
         view = await self.view.workers()
@@ -151,9 +153,38 @@ class RouterBackend:
             except Exception as e:  # Redis away: keep routing on the last view
                 log.warning("worker view refresh failed (%s); using the last view", e)
 
+    async def _recheck_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.refresh_s)
+            try:
+                await self.recheck_suspects()
+            except Exception:  # never let the loop die: suspects would stay out for good
+                log.exception("re-probing suspect workers failed")
+
+    async def recheck_suspects(self) -> None:
+        """Probe each suspect whose pause is over: one that answers is back in rotation,
+        one that does not (hung, or dead and not yet expired from the registry) is paused
+        again, longer. A worker is never sent requests only to find it hung again."""
+        now = time.monotonic()
+        due = [w for w in self._view if self._suspects.get(w.worker_id, (now, 0))[0] < now]
+        for worker_id in set(self._suspects) - {w.worker_id for w in self._view}:
+            del self._suspects[worker_id]  # gone from the registry: nothing to route to
+        if not due:
+            return
+        timeout = self.config.probe_timeout_s
+        answered = await asyncio.gather(*(answers(self.peer(w).channel, timeout) for w in due))
+        for w, ok in zip(due, answered, strict=True):
+            if ok:
+                self._suspects.pop(w.worker_id, None)
+            elif w.worker_id in self._suspects:
+                log.warning("worker %s still does not answer a health probe; kept out of "
+                            "rotation", w.worker_id)
+                self._suspect(w.worker_id)
+
     async def close(self) -> None:
-        if self._refresher is not None:
-            self._refresher.cancel()
+        for task in (self._refresher, self._rechecker):
+            if task is not None:
+                task.cancel()
         for channel in self._channels.values():
             await channel.close()
 
@@ -181,9 +212,7 @@ class RouterBackend:
         return Overloaded(message, self.config.retry_after_ms)
 
     def _live(self, role: str) -> list[WorkerRecord]:
-        now = time.monotonic()
-        return [w for w in self._view if w.role == role
-                and self._suspects.get(w.worker_id, (0.0, 0))[0] < now]
+        return [w for w in self._view if w.role == role and w.worker_id not in self._suspects]
 
     def _suspect(self, worker_id: str) -> None:
         """Take a worker out of rotation at once: it refused a connection, broke a stream

@@ -241,6 +241,104 @@ def test_sender_process_killed_midway_fails_within_stall_timeout(
     assert_still_serves(rx, kind)
 
 
+# -- a hung receiver ----------------------------------------------------------------------
+
+
+def receiver_process(conn: Any) -> None:
+    """A decode-side receiver in a process of its own, to be stopped with SIGSTOP."""
+    torch.set_num_threads(1)
+    rx = make_receiver("grpc", RX_ID, CFG, "127.0.0.1", 0)  # serves Push and Shm
+    conn.send(rx.address)
+    conn.recv()  # until the test is done
+    rx.close()
+
+
+@pytest.mark.parametrize("kind", ["grpc", "shm"])
+def test_a_hung_receiver_costs_its_own_transfers_not_the_engine(
+    receivers: dict[str, Any], kind: str
+) -> None:
+    """A stopped decode process takes no layers. The sender's queue to it fills, then
+    send_layer (the engine's forward pass, in the real producer) waits at most
+    `send_block_s` before failing that transfer, later ones to it fail at once, and
+    transfers to a healthy receiver go on undisturbed. Resumed, it is served again."""
+    cfg = dataclasses.replace(CFG, send_queue_depth=2 * LAYERS, send_block_s=0.3,
+                              stall_timeout_s=8.0)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=receiver_process, args=(child,), daemon=True)
+    proc.start()
+    tx = new_sender(kind, TX_ID, cfg)
+    try:
+        assert parent.poll(200), "the receiver process did not start"
+        hung = parent.recv()
+        os.kill(proc.pid, signal.SIGSTOP)
+
+        outcomes: dict[str, TransferOutcome] = {}
+
+        def outcome(tid: str, timeout: float = 0.0) -> TransferOutcome | None:
+            deadline = time.monotonic() + timeout
+            while tid not in outcomes:
+                for o in tx.poll_finished(wait_s=0.05):
+                    outcomes[o.transfer_id] = o
+                if time.monotonic() > deadline:
+                    break
+            return outcomes.get(tid)
+
+        def timed_send(tid: str, address: str, seed: int) -> float:
+            """Seconds spent in send_layer: what the engine's forward pass waits."""
+            layers, waited = kv_layers(seed), 0.0
+            tx.begin(address, spec_for(tid))
+            for i, t in enumerate(layers):
+                t0 = time.monotonic()
+                tx.send_layer(tid, i, t)
+                waited += time.monotonic() - t0
+            tx.end(tid)
+            return waited
+
+        # Transfers fill the queue to the stopped receiver (the network takes at most a
+        # layer or two before the peer's flow-control window closes); then one finds no
+        # slot: a bounded wait, and it fails, far sooner than the stall timeout.
+        queued: list[str] = []
+        for n in range(8):
+            tid = f"queued-{n}"
+            assert timed_send(tid, hung, n) < cfg.stall_timeout_s / 2
+            failed = outcome(tid)
+            if failed is not None:
+                assert not failed.ok and "took none" in (failed.error or ""), failed
+                break
+            queued.append(tid)
+        else:
+            raise AssertionError("the queue to a stopped receiver never filled")
+        assert len(queued) >= 2  # its depth held two whole transfers
+        # The receiver is known stuck now: the next transfer fails without any wait.
+        assert timed_send("fast-fail", hung, 10) < cfg.send_block_s
+        fast = outcome("fast-fail", 2.0)
+        assert fast is not None and not fast.ok
+        # A healthy receiver is not held up by the hung one's full queue.
+        healthy = receivers["grpc"]
+        assert timed_send("healthy", healthy.address, 11) < 2.0
+        ok = outcome("healthy", 10.0)
+        assert ok is not None and ok.ok, ok
+        got = healthy.take("healthy")
+        assert got is not None and same_bits(got.layers, kv_layers(11))
+        # Resumed within the stall timeout: the queued transfers complete.
+        os.kill(proc.pid, signal.SIGCONT)
+        for tid in queued:
+            done = outcome(tid, cfg.stall_timeout_s + 5)
+            assert done is not None and done.ok, (tid, done)
+        # And the receiver takes new transfers again without waiting.
+        assert timed_send("after", hung, 12) < 2.0
+        after = outcome("after", 10.0)
+        assert after is not None and after.ok, after
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+        tx.close()
+        parent.send("stop")
+        proc.join(10)
+        if proc.is_alive():
+            proc.kill()
+
+
 # -- refusals ----------------------------------------------------------------------------
 
 

@@ -75,6 +75,7 @@ def test_growth_is_taken_between_the_window_ends_skipping_missing_samples() -> N
 
 def test_reference_outputs_are_reused_only_for_the_same_requests(tmp_path) -> None:
     import json
+    import subprocess
 
     from services.bench.records import RequestSpec
     from services.bench.reference import greedy_reference
@@ -88,7 +89,7 @@ def test_reference_outputs_are_reused_only_for_the_same_requests(tmp_path) -> No
     assert greedy_reference(str(tmp_path / "no-model"), specs, tmp_path) == [[7, 8], [9, 9, 9]]
     # Other requests: the stale outputs are not returned; generation is attempted (and
     # fails here, without a model).
-    with pytest.raises(Exception):
+    with pytest.raises(subprocess.CalledProcessError):
         greedy_reference(str(tmp_path / "no-model"), [RequestSpec([1, 2, 3], 5)], tmp_path,
                          timeout_s=120)
     assert not (tmp_path / "reference-outputs.json").exists()

@@ -245,6 +245,37 @@ async def test_a_hung_decode_worker_is_probed_and_left(fakes) -> None:  # type: 
     assert tokens == ANSWER[:8] and last.migrations == 1
 
 
+async def test_a_hung_worker_stays_out_until_it_answers_a_probe(  # type: ignore[no-untyped-def]
+        fakes, monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.router import router as router_module
+
+    monkeypatch.setattr(router_module, "SUSPECT_S", 0.2)  # a short first pause
+    hung = fakes["d1"][0]
+    hung.hang_after = 1
+    backend = router(fakes, refresh_s=0.1)
+    await backend.start(0)
+    try:
+        _, last = await collect(backend.generate(request(8)))
+        assert last.migrations == 1  # d1 (the first choice) hung; d2 finished it
+        # Long past its pause, d1 is still out: it answers no health probe. Requests
+        # are not sent to it to find out.
+        await asyncio.sleep(1.0)
+        assert [w.worker_id for w in backend._live("decode")] == ["d2"]
+        for _ in range(3):
+            _, last = await collect(backend.generate(request(8)))
+            assert last.migrations == 0
+        assert len(hung.requests) == 1
+        # It answers again (a SIGCONT): back in rotation at the next probe.
+        hung.hang_after = None
+        hung.hung.clear()
+        deadline = asyncio.get_running_loop().time() + 10
+        while "d1" not in {w.worker_id for w in backend._live("decode")}:
+            assert asyncio.get_running_loop().time() < deadline, "d1 never came back"
+            await asyncio.sleep(0.05)
+    finally:
+        await backend.close()
+
+
 async def test_client_errors_pass_through_and_never_move(fakes) -> None:  # type: ignore[no-untyped-def]
     for name in ("d1", "d2"):
         fakes[name][0].fail_after, fakes[name][0].fail_code = 0, grpc.StatusCode.INVALID_ARGUMENT

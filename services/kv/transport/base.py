@@ -36,8 +36,9 @@ class KVSender(ABC):
     def send_layer(self, transfer_id: str, layer_idx: int, tensor: torch.Tensor) -> None:
         """Queue one layer (a private tensor the sender may keep); returns at once.
 
-        Blocks only while `send_queue_depth` layers are already queued (backpressure),
-        and never longer than `stall_timeout_s`: then the transfer fails instead.
+        Blocks only while `send_queue_depth` layers to the same receiver are already
+        queued (backpressure), and never longer than `send_block_s`: then the transfer
+        fails instead, and so do new ones to that receiver until it takes a layer again.
         """
 
     @abstractmethod

@@ -25,13 +25,31 @@ from services.kv.transport.spec import TransferOutcome, TransferSpec, TransportC
 logger = logging.getLogger(__name__)
 
 
+class PeerQueue:
+    """The queue slots of one receiver: `send_queue_depth` layers handed over by the
+    engine and not yet taken by the network. `stuck` is set when a transfer found no slot
+    within `send_block_s`, and cleared when the receiver takes a layer again."""
+
+    __slots__ = ("slots", "stuck")
+
+    def __init__(self, depth: int) -> None:
+        self.slots = threading.Semaphore(depth)
+        self.stuck = False
+
+    def release(self) -> None:
+        self.stuck = False
+        self.slots.release()
+
+
 @dataclass(frozen=True, slots=True, eq=False)
 class LayerItem:
-    """One layer handed over by the engine; holds one queue slot until released."""
+    """One layer handed over by the engine; holds one slot of its receiver's queue until
+    released."""
 
     layer: int
     tensor: torch.Tensor
     event: torch.cuda.Event | None  # CUDA producers: orders readers after index_select
+    queue: PeerQueue | None = None
 
 
 END_ITEM: Literal["end"] = "end"  # queued after the last layer
@@ -67,9 +85,10 @@ class SenderCore(KVSender, Generic[L]):
         self._done_cond = threading.Condition(self._lock)
         self._active: dict[str, Outgoing[L]] = {}
         self._finished: list[TransferOutcome] = []
-        # One slot per queued layer across all transfers: bounds the memory held by layers
-        # the engine handed over but the network has not taken yet.
-        self._slots = threading.Semaphore(config.send_queue_depth)
+        # One slot per queued layer, per receiver: bounds the memory held by layers the
+        # engine handed over but the network has not taken yet, and keeps a receiver that
+        # takes nothing from holding up transfers to the others.
+        self._queues: dict[str, PeerQueue] = {}
         self._closed = False
 
     # -- hooks a transport implements ------------------------------------------------------
@@ -122,8 +141,8 @@ class SenderCore(KVSender, Generic[L]):
 
     def release_item(self, item: Item | None) -> None:
         """Give back the queue slot a layer item holds (whoever dequeues it calls this)."""
-        if isinstance(item, LayerItem):
-            self._slots.release()
+        if isinstance(item, LayerItem) and item.queue is not None:
+            item.queue.release()
 
     @property
     def is_closed(self) -> bool:
@@ -152,8 +171,14 @@ class SenderCore(KVSender, Generic[L]):
         if problem:
             self.fail(out, problem)
             return
-        if not self._slots.acquire(timeout=self.config.stall_timeout_s):
-            self.fail(out, f"send queue full for {self.config.stall_timeout_s:.1f}s")
+        queue = self._queue(out.peer)
+        # This runs in the engine's forward pass: never wait long for a receiver that
+        # takes nothing, and not at all once it was found stuck.
+        if not queue.slots.acquire(timeout=0 if queue.stuck else self.config.send_block_s):
+            queue.stuck = True
+            self.fail(out, f"receiver {out.peer} has {self.config.send_queue_depth} layers "
+                      f"queued and took none in {self.config.send_block_s:g}s; not waiting "
+                      "longer, which would stall the engine")
             return
         event = None
         if tensor.is_cuda:  # orders the sender thread after the producer's stream
@@ -161,10 +186,10 @@ class SenderCore(KVSender, Generic[L]):
             event.record()
         with self._lock:
             if out.done:
-                self._slots.release()
+                queue.release()
                 return
             out.sent.add(layer_idx)
-            self._enqueue(out, LayerItem(layer_idx, tensor, event))
+            self._enqueue(out, LayerItem(layer_idx, tensor, event, queue))
 
     def end(self, transfer_id: str) -> None:
         out = self._get(transfer_id)
@@ -204,6 +229,13 @@ class SenderCore(KVSender, Generic[L]):
         self._close_transport()
 
     # -- internals -------------------------------------------------------------------------
+    def _queue(self, peer: str) -> PeerQueue:
+        with self._lock:
+            queue = self._queues.get(peer)
+            if queue is None:
+                queue = self._queues[peer] = PeerQueue(self.config.send_queue_depth)
+            return queue
+
     def _get(self, transfer_id: str) -> Outgoing[L] | None:
         with self._lock:
             out = self._active.get(transfer_id)

@@ -87,7 +87,13 @@ class TransportConfig:
     max_message_bytes: int = 8 << 20  # gRPC max send/receive message, set on both ends
     lease_s: float = 30.0  # complete-but-untaken transfers are dropped after this
     stall_timeout_s: float = 10.0  # a transfer with no progress for this long -> FAILED
-    send_queue_depth: int = 64  # layers queued at the sender before send_layer blocks
+    # Layers queued at the sender per receiver, not yet taken by the network; when they
+    # are all taken, send_layer waits up to send_block_s for one to go (it runs inside the
+    # engine's forward pass, so a longer wait would stall every request of the engine),
+    # then fails that transfer, and fails new ones to that receiver at once until it
+    # takes a layer again: a hung receiver costs its own transfers, not the engine.
+    send_queue_depth: int = 256
+    send_block_s: float = 0.5
     max_streams: int = 32  # concurrent inbound streams (transfers + torch pairs) served
     max_staged_bytes: int = 8 << 30  # receiver refuses new transfers beyond this staging
     device: str = "cpu"  # where the receiver stages layers ("cuda:N" for the NCCL path)
@@ -114,4 +120,6 @@ class TransportConfig:
             raise ValueError("lease_s and stall_timeout_s must be positive")
         if self.send_queue_depth <= 0 or self.max_streams <= 0:
             raise ValueError("send_queue_depth and max_streams must be positive")
+        if self.send_block_s < 0:
+            raise ValueError("send_block_s must not be negative")
         checksum.check(self.checksum)
