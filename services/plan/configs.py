@@ -67,6 +67,8 @@ def up_flags(cfg: FleetConfig, profile: Profile) -> list[str]:
     budget = cfg.decode.max_num_batched_tokens
     if budget:
         flags += ["--max-num-batched-tokens", str(budget)]
+    if cfg.decode.long_prefill_token_threshold:
+        flags += ["--long-prefill-token-threshold", str(cfg.decode.long_prefill_token_threshold)]
     if cfg.local_prefill_max_tokens:
         flags += ["--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens)]
     if cfg.prefill:
@@ -85,8 +87,11 @@ def helm_values(cfg: FleetConfig, profile: Profile) -> dict[str, Any]:
         "prefill": {"replicas": cfg.prefill.engines if cfg.prefill else 0},
         "decode": {"replicas": cfg.decode.engines},
     }
-    if cfg.decode.max_num_batched_tokens:
-        values["engine"] = {"max_num_batched_tokens": cfg.decode.max_num_batched_tokens}
+    engine = {k: v for k, v in (
+        ("max_num_batched_tokens", cfg.decode.max_num_batched_tokens),
+        ("long_prefill_token_threshold", cfg.decode.long_prefill_token_threshold)) if v}
+    if engine:
+        values["engine"] = engine
     if cfg.local_prefill_max_tokens:
         values["router"] = {"settings": {
             "local_prefill_max_tokens": cfg.local_prefill_max_tokens}}

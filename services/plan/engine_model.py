@@ -5,8 +5,10 @@ Each step, as vLLM's scheduler does: every running decoding sequence gets one to
 rest of the token budget (``max_num_batched_tokens``) goes to prompts already being
 prefilled, in admission order, then to waiting requests in arrival order, while fewer than
 ``max_num_seqs`` are running and the KV cache has room; a prompt that does not fit the
-budget is split into chunks over several steps. A request emits a token at the end of the
-step that computes the last chunk of its prompt, then one per step.
+budget is split into chunks over several steps, and none gets more than
+``long_prefill_token_threshold`` tokens of a step while another request is in the
+engine. A request emits a token at the end of the step that computes the last chunk of
+its prompt, then one per step.
 
 Two simplifications, both exact while the KV cache is not the bottleneck: a request
 reserves KV for its whole length (prompt + output) when admitted, so nothing is ever
@@ -34,10 +36,13 @@ class EngineLimits:
     max_num_batched_tokens: int
     max_num_seqs: int
     kv_cache_tokens: int
+    long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's tokens per step
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("the step budget and max_num_seqs must be >= 1")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError("long_prefill_token_threshold must be >= 0")
         if self.kv_cache_tokens < 1:
             raise ValueError("the KV cache must hold at least one token")
 
@@ -98,10 +103,14 @@ class EngineSim:
         budget = self.limits.max_num_batched_tokens - self.decoders
         sched: list[tuple[Job, int]] = []
         tokens, attention, stall = 0, 0.0, 0.0
+        # vLLM lifts the cap when one request is all the engine has: nobody to starve.
+        cap = self.limits.long_prefill_token_threshold
+        if not cap or self.running + len(self.waiting) <= 1:
+            cap = budget
         for job in self.prefilling:
             if budget <= 0:
                 break
-            chunk = min(job.prompt - job.computed, budget)
+            chunk = min(job.prompt - job.computed, budget, cap)
             sched.append((job, chunk))
             budget -= chunk
         while self.waiting and budget > 0 and self.running < self.limits.max_num_seqs:
@@ -113,7 +122,7 @@ class EngineSim:
             self.prefilling.append(job)
             job.scheduled_at = now
             stall += job.handoff_s
-            chunk = min(job.prompt, budget)
+            chunk = min(job.prompt, budget, cap)
             sched.append((job, chunk))
             budget -= chunk
         if not sched and not self.decoders:

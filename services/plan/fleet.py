@@ -35,6 +35,7 @@ class PoolSpec:
     engines: int
     units: int
     max_num_batched_tokens: int = 0  # 0: the profile's default budget
+    long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's tokens per step
 
 
 @dataclass(slots=True, frozen=True)
@@ -106,7 +107,8 @@ class Fleet:
     def _engine(self, pool: PoolSpec, name: str) -> EngineSim:
         limits = EngineLimits(pool.max_num_batched_tokens
                               or self.profile.default_max_num_batched_tokens,
-                              self.profile.max_num_seqs, self.profile.kv_cache_tokens)
+                              self.profile.max_num_seqs, self.profile.kv_cache_tokens,
+                              pool.long_prefill_token_threshold)
         return EngineSim(self.profile.cost(pool.units), limits, name)
 
     def _push(self, time: float, kind: int, arg: int) -> None:

@@ -100,3 +100,19 @@ def test_helm_values_use_the_charts_own_keys() -> None:
     tuned = next(c for c in configurations(prof, 2) if c.name == "colocated_b256")
     assert up_flags(tuned, prof)[:6] == ["pdserve", "up", "--prefill", "0", "--decode", "1"]
     assert helm_values(tuned, prof)["engine"] == {"max_num_batched_tokens": 256}
+
+
+def test_a_capped_budget_reaches_the_flags_and_the_chart() -> None:
+    import dataclasses
+
+    from services.engine.config import EngineConfig
+
+    prof = fake_profile()
+    base = next(c for c in configurations(prof, 2) if c.name == "colocated_b256")
+    cfg = dataclasses.replace(base, decode=dataclasses.replace(
+        base.decode, max_num_batched_tokens=512, long_prefill_token_threshold=256))
+    flags = up_flags(cfg, prof)
+    assert flags[flags.index("--long-prefill-token-threshold") + 1] == "256"
+    engine = helm_values(cfg, prof)["engine"]
+    assert engine == {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256}
+    EngineConfig(**engine)  # the chart's engine block takes EngineConfig's own names

@@ -88,3 +88,18 @@ def test_the_router_sees_queued_prompt_tokens() -> None:
     assert end == pytest.approx(2.0)
     engine.finish_step()
     assert engine.queued_tokens == 150
+
+
+def test_the_long_prefill_cap_lets_a_short_prompt_through_and_is_lifted_when_alone() -> None:
+    capped = EngineLimits(200, 4, 10_000, long_prefill_token_threshold=50)
+    # Alone, a 120-token prompt gets the whole budget (vLLM lifts the cap): one step.
+    assert run(EngineSim(SIMPLE, capped), [Job(0, 120, 2)]) == {0: [2.2, 3.2]}
+    # With a 30-token prompt beside it: step 0 takes 50 of the long one and the short
+    # one whole (1.8 s: the short one's token); step 1 the long one's last 70, alone.
+    assert run(EngineSim(SIMPLE, capped), [Job(0, 120, 1), Job(1, 30, 1)]) == \
+        {0: [3.5], 1: [1.8]}
+    # Without the cap both come after one 150-token step.
+    assert run(EngineSim(SIMPLE, EngineLimits(200, 4, 10_000)),
+               [Job(0, 120, 1), Job(1, 30, 1)]) == {0: [2.5], 1: [2.5]}
+    with pytest.raises(ValueError):
+        EngineLimits(200, 4, 10_000, long_prefill_token_threshold=-1)
