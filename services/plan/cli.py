@@ -173,7 +173,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       "default model)")
     prof.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16",
                                                           "float16"], help="engine dtype")
-    prof.add_argument("--kv-cache-gib", type=float, default=2.0,
+    prof.add_argument("--kv-cache-gib", type=int, default=2,
                       help="CPU: the KV cache size the served engines will have")
     prof.add_argument("--max-model-len", type=int, default=2048, help="context length")
     prof.add_argument("--max-num-seqs", type=int, default=64,

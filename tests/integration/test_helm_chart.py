@@ -441,7 +441,7 @@ def test_every_user_setting_reaches_its_configmap(monkeypatch: pytest.MonkeyPatc
     values = {
         "server": {"grace_s": 12.5, "max_message_bytes": 64 << 20},
         "engine": {"dtype": "float16", "max_model_len": 4096, "enable_prefix_caching": False,
-                   "kv_cache_gib": 1.5, "seed": 7},
+                   "kv_cache_gib": 3, "seed": 7},
         "worker": {"kv_load_timeout_s": 45, "heartbeat_s": 0.5},
         "router": {"settings": {"policy": "round_robin", "max_inflight": 100,
                                 "refresh_s": 0.25}},
@@ -460,7 +460,7 @@ def test_every_user_setting_reaches_its_configmap(monkeypatch: pytest.MonkeyPatc
         settings = check_pdserve_command([role], data, monkeypatch)
         engine = settings["EngineConfig"]
         assert (engine.dtype, engine.max_model_len, engine.kv_cache_gib, engine.seed) == (
-            "float16", 4096, 1.5, 7)
+            "float16", 4096, 3, 7)
         assert settings["ServerConfig"].grace_s == 12.5
         assert settings["WorkerConfig"].kv_load_timeout_s == 45
         assert settings["WorkerConfig"].heartbeat_s == 0.5

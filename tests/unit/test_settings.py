@@ -22,7 +22,7 @@ def test_flags_override_env_override_defaults(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("PDSERVE_KV_CACHE_GIB", "3")
     monkeypatch.setenv("PDSERVE_MAX_MODEL_LEN", "1024")
     cfg = from_arguments(EngineConfig, parse(["--max-model-len", "512", "--no-enforce-eager"]))
-    assert cfg.kv_cache_gib == 3.0  # env
+    assert cfg.kv_cache_gib == 3  # env
     assert cfg.max_model_len == 512  # flag beats env
     assert cfg.enforce_eager is False
     assert cfg.max_num_seqs == EngineConfig.model_fields["max_num_seqs"].default
@@ -41,6 +41,8 @@ def test_every_field_has_flag_env_and_help() -> None:
 def test_invalid_values_are_refused() -> None:
     with pytest.raises(ValueError):
         EngineConfig(kv_cache_gib=0)
+    with pytest.raises(ValueError, match="integer"):
+        EngineConfig(kv_cache_gib=0.5)  # vLLM takes whole GiB and would not start
     with pytest.raises(ValueError):
         EngineConfig(max_num_seqs=64, max_num_batched_tokens=8)
     with pytest.raises(SystemExit):
@@ -60,9 +62,12 @@ def test_chunking_settings_reach_vllm() -> None:
 
 
 def test_cpu_env_pins_explicit_cores() -> None:
-    env = EngineConfig(cpu_cores="1", kv_cache_gib=0.5).vllm_env()
+    env = EngineConfig(cpu_cores="1", kv_cache_gib=3).vllm_env()
     assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
-    assert env["VLLM_CPU_KVCACHE_SPACE"] == "0.5"
+    assert env["VLLM_CPU_KVCACHE_SPACE"] == "3"
+    assert env["ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "0"  # no cache growing with step sizes
+    assert EngineConfig(onednn_primitive_cache=64).vllm_env()[
+        "ONEDNN_PRIMITIVE_CACHE_CAPACITY"] == "64"
     assert EngineConfig().resolved_cores()  # never vLLM's "auto"
 
 
