@@ -109,12 +109,13 @@ class EngineConfig(BaseSettings):
         131072, ge=0, description="prompt tokens waiting for their first token in this "
         "engine; beyond, RESOURCE_EXHAUSTED (0 = no bound)")
     max_num_batched_tokens: int = Field(
-        0, ge=0, description="token budget per step (chunked prefill size); 0 = vLLM's default"
-    )
+        0, ge=0, description="token budget per step (chunked prefill size); 0 = vLLM's "
+        "default (`pdserve up` on a CPU host: 512 unless set)")
     long_prefill_token_threshold: int = Field(
         0, ge=0, description="most tokens of one prompt per step: longer prompts prefill in "
         "chunks this size, so a request that arrives behind a long prompt waits one chunk, "
-        "not the whole prefill (vLLM's --long-prefill-token-threshold; 0 = no limit)")
+        "not the whole prefill (vLLM's --long-prefill-token-threshold; 0 = no limit; "
+        "`pdserve up` on a CPU host: 256 unless set)")
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(
         True, description="skip torch.compile and graph capture (faster start-up)"
@@ -171,3 +172,29 @@ class EngineConfig(BaseSettings):
             "LD_PRELOAD": preload_allocator(self.allocator, os.environ.get("LD_PRELOAD", "")),
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(self.onednn_primitive_cache),
         }
+
+
+# A step cannot be interrupted: with vLLM's CPU budget (2048 tokens) one long prompt's
+# prefill holds the engine 4-5 s on a core of a small host, and after a worker dies the
+# survivor's re-prefills keep new requests and moved streams waiting for whole such
+# steps. Bounded, no step holds more than 512 prompt tokens (under a second there) and
+# the chaos benchmark met its time goals, with no loss of capacity (BENCHMARKS.md,
+# "Chaos and soak"). GPU steps are short at vLLM's own budget.
+CPU_STEP_BOUNDS = {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256}
+
+
+def with_step_bounds(engine: EngineConfig, cpu: bool) -> EngineConfig:
+    """A stack's engine settings with CPU_STEP_BOUNDS for each of the two that the
+    operator did not set (by flag or environment) and that fit the other settings."""
+    if not cpu:
+        return engine
+    update = {k: v for k, v in CPU_STEP_BOUNDS.items() if k not in engine.model_fields_set}
+    if update.get("max_num_batched_tokens", 0) < engine.max_num_seqs:
+        update.pop("max_num_batched_tokens", None)
+    if update.get("long_prefill_token_threshold", 0) > engine.max_model_len:
+        update.pop("long_prefill_token_threshold", None)
+    if not update:
+        return engine
+    log.info("CPU engines: steps bounded (%s); set the flags to choose otherwise, 0 for "
+             "vLLM's defaults", ", ".join(f"{k}={v}" for k, v in update.items()))
+    return EngineConfig.model_validate({**engine.model_dump(), **update})

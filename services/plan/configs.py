@@ -64,11 +64,10 @@ def up_flags(cfg: FleetConfig, profile: Profile) -> list[str]:
     prefill their own prompts: no prefill pool)."""
     flags = ["pdserve", "up", "--prefill", str(cfg.prefill.engines if cfg.prefill else 0),
              "--decode", str(cfg.decode.engines)]
-    budget = cfg.decode.max_num_batched_tokens
-    if budget:
-        flags += ["--max-num-batched-tokens", str(budget)]
-    if cfg.decode.long_prefill_token_threshold:
-        flags += ["--long-prefill-token-threshold", str(cfg.decode.long_prefill_token_threshold)]
+    # Both always: `pdserve up` bounds CPU engines' steps where they are not given, and
+    # 0 (vLLM's budget, no per-prompt cap) is a choice the prediction was made for.
+    flags += ["--max-num-batched-tokens", str(cfg.decode.max_num_batched_tokens),
+              "--long-prefill-token-threshold", str(cfg.decode.long_prefill_token_threshold)]
     if cfg.local_prefill_max_tokens:
         flags += ["--local-prefill-max-tokens", str(cfg.local_prefill_max_tokens)]
     if cfg.prefill:

@@ -82,7 +82,8 @@ def test_flags_and_helm_values_of_a_conditional_split() -> None:
     prof = fake_profile()
     cfg = next(c for c in configurations(prof, 2) if c.name == "conditional_1p1d_t256")
     assert up_flags(cfg, prof) == [
-        "pdserve", "up", "--prefill", "1", "--decode", "1", "--local-prefill-max-tokens",
+        "pdserve", "up", "--prefill", "1", "--decode", "1", "--max-num-batched-tokens", "0",
+        "--long-prefill-token-threshold", "0", "--local-prefill-max-tokens",
         "256", "--kv-transport", "grpc", "--prefill-cores", "0", "--decode-cores", "1"]
     values = helm_values(cfg, prof)
     assert values["router"]["settings"]["local_prefill_max_tokens"] == 256

@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from services.api.server import ServerConfig
-from services.engine.config import EngineConfig
+from services.engine.config import EngineConfig, cpu_only
 from services.settings import add_arguments, env_name, from_arguments
 
 
@@ -85,3 +85,30 @@ def test_engine_allocator_goes_in_front_of_ld_preload(monkeypatch: pytest.Monkey
     assert config.preload_allocator("auto", "libgomp.so") == "libgomp.so"  # with a warning
     with pytest.raises(RuntimeError, match="libtcmalloc-minimal4"):
         config.preload_allocator("tcmalloc", "")
+
+
+def test_up_bounds_cpu_engine_steps_unless_the_operator_chose(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from services.cli import build_parser, up_stack
+    from services.engine.config import CPU_STEP_BOUNDS, with_step_bounds
+
+    def engine(*flags: str) -> EngineConfig:
+        return up_stack(build_parser().parse_args(["up", *flags])).engine
+
+    if cpu_only():
+        bounded = engine()
+        assert (bounded.max_num_batched_tokens, bounded.long_prefill_token_threshold) == (
+            512, 256)
+        chosen = engine("--max-num-batched-tokens", "0")  # 0: vLLM's default, as asked
+        assert (chosen.max_num_batched_tokens, chosen.long_prefill_token_threshold) == (0, 256)
+    gpu = with_step_bounds(EngineConfig(), cpu=False)
+    assert gpu.max_num_batched_tokens == 0 and gpu.long_prefill_token_threshold == 0
+    # Bounds that would contradict other settings are left out, never made invalid.
+    wide = with_step_bounds(EngineConfig(max_num_seqs=1024), cpu=True)
+    assert wide.max_num_batched_tokens == 0
+    assert wide.long_prefill_token_threshold == CPU_STEP_BOUNDS["long_prefill_token_threshold"]
+    short = with_step_bounds(EngineConfig(max_model_len=128), cpu=True)
+    assert (short.max_num_batched_tokens, short.long_prefill_token_threshold) == (512, 0)
+    if cpu_only():
+        monkeypatch.setenv("PDSERVE_LONG_PREFILL_TOKEN_THRESHOLD", "0")
+        assert engine().long_prefill_token_threshold == 0  # the environment chooses too
