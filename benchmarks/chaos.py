@@ -218,10 +218,13 @@ async def cpu_watch(stack: UpStack, out: list[dict[str, float]], every_s: float 
         own = psutil.Process().cpu_times()
         return machine, mine, own.user + own.system
 
-    prev, at = busy(), time.time()
+    # /proc reads off the event loop: one of a process that is mapping or freeing gigabytes
+    # (an engine starting or dying) can block for seconds, and every client stream of
+    # this process would seem to stall with it (seen: 8.6 s).
+    prev, at = await asyncio.to_thread(busy), time.time()
     while True:
         await asyncio.sleep(every_s)
-        now, t = busy(), time.time()
+        now, t = await asyncio.to_thread(busy), time.time()
         dt = t - at
         # A process that exited takes its CPU time with it: the stack's figure can dip.
         out.append({"t": t, "machine": (now[0] - prev[0]) / dt,

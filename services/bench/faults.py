@@ -148,7 +148,7 @@ class FaultPlan:
     async def _inject(self, event: FaultEvent) -> None:
         fault = event.fault
         if fault.kind == "kill-redis":
-            pid = self.stack.redis_pid()
+            pid = await asyncio.to_thread(self.stack.redis_pid)
             if pid is None:
                 raise RuntimeError("no redis-server in the stack's process tree")
             event.pid, event.at = pid, time.time()

@@ -6,6 +6,7 @@ vLLM's KV cache usage and any staged-transfer gauge the KV transport exports.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 import urllib.request
@@ -78,6 +79,19 @@ def _process_figures(pid: int) -> dict[str, float] | None:
         return None
 
 
+def _groups(stack: UpStack, roles: dict[int, str]) -> dict[str, dict[str, float]]:
+    """Each group's figures, summed over its processes."""
+    groups: dict[str, dict[str, float]] = {}
+    for pid, label in label_processes(stack, roles).items():
+        figures = _process_figures(pid)
+        if figures is None:
+            continue
+        group = groups.setdefault(label, dict.fromkeys(figures, 0.0))
+        for k, v in figures.items():
+            group[k] += v
+    return groups
+
+
 async def sample(stack: UpStack) -> Sample:
     """One sample of everything (what cannot be read this time is left out)."""
     out = Sample(time.time())
@@ -87,18 +101,14 @@ async def sample(stack: UpStack) -> Sample:
     except Exception:
         records = []
     roles = {w.pid: w.role for w in records}
-    for pid, label in label_processes(stack, roles).items():
-        figures = _process_figures(pid)
-        if figures is None:
-            continue
-        group = out.groups.setdefault(label, dict.fromkeys(figures, 0.0))
-        for k, v in figures.items():
-            group[k] += v
+    # In a thread: a /proc read of a process that is mapping or freeing gigabytes can
+    # block for seconds, which must not hold up the client streams on this event loop.
+    out.groups = await asyncio.to_thread(_groups, stack, roles)
     for w in records:
         if not w.metrics_port:
             continue
         try:
-            samples = scrape_samples(w.metrics_port)
+            samples = await asyncio.to_thread(scrape_samples, w.metrics_port)
         except OSError:
             continue
         for name, value in samples:
