@@ -8,18 +8,15 @@ import dataclasses
 import json
 import logging
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.api.server import ServerConfig
-from services.engine.config import EngineConfig, cpu_only, with_step_bounds
+from services.engine.config import EngineConfig
 from services.registry.config import ClusterStateConfig
 from services.router.config import RouterConfig
 from services.router.local import add_disagg_arguments
 from services.settings import add_arguments, from_arguments
 from services.worker.config import WorkerConfig
-
-if TYPE_CHECKING:
-    from services.launcher.up import Stack
 
 log = logging.getLogger("pdserve")
 
@@ -130,21 +127,10 @@ def cmd_router(args: argparse.Namespace) -> int:
     return 0
 
 
-def up_stack(args: argparse.Namespace) -> Stack:
-    """The stack `pdserve up` runs: its settings, engine steps bounded on a CPU host."""
-    from services.launcher.up import LauncherConfig, Stack
-
-    engine = with_step_bounds(from_arguments(EngineConfig, args), cpu_only())
-    return Stack(from_arguments(LauncherConfig, args), engine,
-                 from_arguments(ServerConfig, args), from_arguments(WorkerConfig, args),
-                 from_arguments(RouterConfig, args),
-                 cluster=from_arguments(ClusterStateConfig, args))
-
-
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher.up import run_up
+    from services.launcher.up import run_up, stack_from_args
 
-    stack = up_stack(args)
+    stack = stack_from_args(args)
     if not _security_ok(stack.server):
         return 1
     asyncio.run(run_up(stack))

@@ -24,6 +24,7 @@ metrics, KV receiver, Redis, the supervisor's metrics) are on loopback in a loca
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import logging
@@ -37,7 +38,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.api.server import ServerConfig
-from services.engine.config import EngineConfig, split_cores
+from services.engine.config import EngineConfig, cpu_only, split_cores, with_step_bounds
 from services.launcher.desired import Desired, DesiredState, remove_state, write_state
 from services.launcher.desired import set_desired as set_desired
 from services.launcher.desired import state_path as state_path
@@ -50,6 +51,7 @@ from services.registry.registry import BAD_RECORDS, redis_client
 from services.registry.signing import SECRET_ENV, RecordSigner, load_secret, new_secret
 from services.router.config import RouterConfig
 from services.security.stack import StackCertificates, has_internal_tls
+from services.settings import from_arguments
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -106,6 +108,15 @@ class Stack:
     router: RouterConfig
     cluster: ClusterStateConfig = field(
         default_factory=lambda: ClusterStateConfig())  # type: ignore[call-arg]
+
+
+def stack_from_args(args: argparse.Namespace) -> Stack:
+    """The stack `pdserve up` runs: its settings, engine steps bounded on a CPU host."""
+    engine = with_step_bounds(from_arguments(EngineConfig, args), cpu_only())
+    return Stack(from_arguments(LauncherConfig, args), engine,
+                 from_arguments(ServerConfig, args), from_arguments(WorkerConfig, args),
+                 from_arguments(RouterConfig, args),
+                 cluster=from_arguments(ClusterStateConfig, args))
 
 
 class Supervisor(BaseSupervisor):

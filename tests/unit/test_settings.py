@@ -89,11 +89,12 @@ def test_engine_allocator_goes_in_front_of_ld_preload(monkeypatch: pytest.Monkey
 
 def test_up_bounds_cpu_engine_steps_unless_the_operator_chose(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from services.cli import build_parser, up_stack
+    from services.cli import build_parser
     from services.engine.config import CPU_STEP_BOUNDS, with_step_bounds
+    from services.launcher.up import stack_from_args
 
     def engine(*flags: str) -> EngineConfig:
-        return up_stack(build_parser().parse_args(["up", *flags])).engine
+        return stack_from_args(build_parser().parse_args(["up", *flags])).engine
 
     if cpu_only():
         bounded = engine()
