@@ -188,11 +188,10 @@ def with_step_bounds(engine: EngineConfig, cpu: bool) -> EngineConfig:
     operator did not set (by flag or environment) and that fit the other settings."""
     if not cpu:
         return engine
-    update = {k: v for k, v in CPU_STEP_BOUNDS.items() if k not in engine.model_fields_set}
-    if update.get("max_num_batched_tokens", 0) < engine.max_num_seqs:
-        update.pop("max_num_batched_tokens", None)
-    if update.get("long_prefill_token_threshold", 0) > engine.max_model_len:
-        update.pop("long_prefill_token_threshold", None)
+    fits = {"max_num_batched_tokens": lambda v: v >= engine.max_num_seqs,
+            "long_prefill_token_threshold": lambda v: v <= engine.max_model_len}
+    update = {k: v for k, v in CPU_STEP_BOUNDS.items()
+              if k not in engine.model_fields_set and fits[k](v)}
     if not update:
         return engine
     log.info("CPU engines: steps bounded (%s); set the flags to choose otherwise, 0 for "
