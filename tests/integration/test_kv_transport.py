@@ -509,6 +509,28 @@ def test_a_released_transfer_is_refused_when_it_arrives(rx: Any, tx: Any, kind: 
     assert_still_serves(rx, kind)
 
 
+def test_a_transfer_released_while_its_buffers_are_made_is_refused() -> None:
+    # The table's lock is not held while a header's slab is allocated: a release that
+    # lands then must still turn the transfer away, not leave it staged for its lease
+    # (seen as one staged transfer left after a burst of cancelled requests).
+    from services.kv.transport.slab_pool import SlabPool
+    from services.kv.transport.staged import Refused
+    from services.kv.transport.staging import StagingTable
+
+    table, tid = StagingTable(RX_ID, CFG), "released-mid-open"
+
+    class ReleasingPool(SlabPool):  # a real pool whose get() lets the release land
+        def get(self, nbytes: int) -> torch.Tensor:
+            table.discard(tid)
+            return super().get(nbytes)
+
+    pool = ReleasingPool(torch.device("cpu"), 1 << 30)
+    with pytest.raises(Refused, match="released by the receiver"):
+        table.open(TX_ID, spec_for(tid), CFG.checksum, pool=pool)
+    assert table.state(tid) is ReceiveState.UNKNOWN and table.staged_bytes == 0
+    assert pool.pooled_bytes >= LAYERS * LAYER_BYTES  # its slab went back for reuse
+
+
 # -- hostile or broken gRPC streams --------------------------------------------------------
 
 

@@ -88,8 +88,7 @@ class StagingTable:
         need = spec.total_nbytes
         with self._cond:
             if spec.transfer_id in self._gone:
-                raise Refused(f"transfer {spec.transfer_id} was released by the receiver "
-                              "(its request was cancelled or moved)")
+                raise Refused(self._released(spec.transfer_id))
             old = self._items.get(spec.transfer_id)
             if old is not None and old.state is not ReceiveState.FAILED:
                 raise Refused(f"transfer {spec.transfer_id} is already {old.state.value}")
@@ -119,10 +118,24 @@ class StagingTable:
         st.on_stall = on_stall
         st.checksum = algorithm
         with self._cond:
-            if spec.transfer_id in self._items:  # a FAILED record of an earlier try
-                self._drop(self._items.pop(spec.transfer_id))
-            self._items[spec.transfer_id] = st
+            # Released while its buffers were being made (the lock was not held): a
+            # record made now would wait out its lease in staging.
+            released = spec.transfer_id in self._gone
+            if released:
+                self._staged_bytes -= need
+            else:
+                if spec.transfer_id in self._items:  # a FAILED record of an earlier try
+                    self._drop(self._items.pop(spec.transfer_id))
+                self._items[spec.transfer_id] = st
+        if released:
+            pool.put(slab)  # never handed to a writer: safe to reuse
+            raise Refused(self._released(spec.transfer_id))
         return st
+
+    @staticmethod
+    def _released(transfer_id: str) -> str:
+        return (f"transfer {transfer_id} was released by the receiver (its request was "
+                "cancelled or moved)")
 
     # -- writing ---------------------------------------------------------------------
     def _check_live(self, st: Staged) -> None:
