@@ -8,6 +8,7 @@ and a saturated prefill pool should not hold up requests a decode worker can tak
 
 from __future__ import annotations
 
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -24,16 +25,48 @@ class RouteInput:
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
 
 
+@dataclass(slots=True, eq=False)
+class Flight:
+    """One request this router sent one worker."""
+
+    worker_id: str
+    prompt_tokens: int  # still to prefill there; 0 once its first token came back
+    sent: float = field(default_factory=time.time)  # wall clock, as reports are stamped
+
+
 @dataclass(slots=True)
 class LocalLoad:
-    """What this router has in flight per worker (heartbeats lag by up to a second)."""
+    """What this router sent each worker that the worker's last load report cannot
+    show yet. Reports lag by up to a heartbeat, so a request counts here from its dispatch
+    until the worker reports after it (a worker without reports, as in the local pair,
+    is known by these counts alone), and its prompt tokens only until its first token:
+    a request that is decoding is no longer in anyone's prefill queue."""
 
-    requests: dict[str, int] = field(default_factory=dict)
-    prompt_tokens: dict[str, int] = field(default_factory=dict)
+    flights: dict[str, set[Flight]] = field(default_factory=dict)
 
-    def add(self, worker_id: str, tokens: int, sign: int = 1) -> None:
-        self.requests[worker_id] = self.requests.get(worker_id, 0) + sign
-        self.prompt_tokens[worker_id] = self.prompt_tokens.get(worker_id, 0) + sign * tokens
+    def sent(self, worker_id: str, prompt_tokens: int) -> Flight:
+        flight = Flight(worker_id, prompt_tokens)
+        self.flights.setdefault(worker_id, set()).add(flight)
+        return flight
+
+    def prefilled(self, flight: Flight) -> None:
+        flight.prompt_tokens = 0
+
+    def done(self, flight: Flight) -> None:
+        mine = self.flights.get(flight.worker_id)
+        if mine is not None:
+            mine.discard(flight)
+            if not mine:
+                del self.flights[flight.worker_id]
+
+    def _unreported(self, w: WorkerRecord) -> list[Flight]:
+        return [f for f in self.flights.get(w.worker_id, ()) if f.sent > w.updated]
+
+    def requests(self, w: WorkerRecord) -> int:
+        return len(self._unreported(w))
+
+    def prompt_tokens(self, w: WorkerRecord) -> int:
+        return sum(f.prompt_tokens for f in self._unreported(w))
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,14 +84,14 @@ class Policy(Protocol):
 
 
 def decode_has_room(d: WorkerRecord, local: LocalLoad) -> bool:
-    busy = d.load.running + d.load.waiting + local.requests.get(d.worker_id, 0)
+    busy = d.load.running + d.load.waiting + local.requests(d)
     return busy < d.capacity and d.load.kv_usage < KV_FULL
 
 
 def prefill_queue(p: WorkerRecord, local: LocalLoad) -> int:
     """Prompt tokens waiting on a prefill worker: its last report plus what this router
     sent it since."""
-    return p.load.queued_prompt_tokens + local.prompt_tokens.get(p.worker_id, 0)
+    return p.load.queued_prompt_tokens + local.prompt_tokens(p)
 
 
 def prefill_pool_full(choice: Choice, local: LocalLoad, max_queued_tokens: int) -> str | None:
@@ -116,7 +149,7 @@ class LoadAware:
             p.worker_id, 0))
 
     def decode_cost(self, d: WorkerRecord, local: LocalLoad) -> float:
-        busy = d.load.running + d.load.waiting + local.requests.get(d.worker_id, 0)
+        busy = d.load.running + d.load.waiting + local.requests(d)
         return self.decode_weight_tokens * max(busy / max(d.capacity, 1), d.load.kv_usage)
 
     def choose(self, prefills: Sequence[WorkerRecord], decodes: Sequence[WorkerRecord],

@@ -351,10 +351,9 @@ class RouterBackend:
                    started: float, span: RouterSpan = NULL_ROUTER) -> AsyncIterator[Delta]:
         p, d = choice.prefill, choice.decode
         tokens = len(req.prompt_token_ids)
-        loaded = p or d
-        self.local.add(loaded.worker_id, tokens)
+        flights = [self.local.sent((p or d).worker_id, tokens)]
         if p is not None:
-            self.local.add(d.worker_id, 0)
+            flights.append(self.local.sent(d.worker_id, 0))
         for w in (p, d):
             if w is not None:
                 _child(WORKER_REQUESTS, w.worker_id, w.role).inc()
@@ -369,6 +368,7 @@ class RouterBackend:
                                         span.grpc_metadata()):
                 if first:
                     first = False
+                    self.local.prefilled(flights[0])
                     ttft = time.monotonic() - started
                     TTFT.observe(ttft, exemplar=span.exemplar())
                     span.first_token(ttft)
@@ -382,6 +382,5 @@ class RouterBackend:
                             self._suspects.pop(w.worker_id, None)
                 yield delta
         finally:
-            self.local.add(loaded.worker_id, tokens, -1)
-            if p is not None:
-                self.local.add(d.worker_id, 0, -1)
+            for flight in flights:
+                self.local.done(flight)

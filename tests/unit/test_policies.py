@@ -16,9 +16,9 @@ from services.router.policies import (
 
 
 def worker(wid: str, role: str, host: str = "h1", fp: str = "f", capacity: int = 8,
-           **load: float) -> WorkerRecord:
+           updated: float = 0.0, **load: float) -> WorkerRecord:
     return WorkerRecord(worker_id=wid, role=role, address=f"{wid}:1", host=host, epoch=1,
-                        fingerprint=fp, capacity=capacity,
+                        fingerprint=fp, capacity=capacity, updated=updated,
                         load=WorkerLoad(**load))  # type: ignore[arg-type]
 
 
@@ -45,7 +45,7 @@ def test_prefill_by_queued_tokens_including_local_in_flight() -> None:
     decodes = [worker("d1", "decode")]
     assert policy.choose(prefills, decodes, RouteInput(50), LocalLoad()).prefill.worker_id == "p1"  # type: ignore[union-attr]
     local = LocalLoad()
-    local.add("p1", 400)
+    local.sent("p1", 400)
     assert policy.choose(prefills, decodes, RouteInput(50), local).prefill.worker_id == "p2"  # type: ignore[union-attr]
 
 
@@ -103,8 +103,31 @@ def test_prefill_pool_bound_counts_reported_and_local_queue() -> None:
     d = worker("d1", "decode")
     local = LocalLoad()
     assert prefill_pool_full(Choice(p, d, "load"), local, 1000) is None
-    local.add("p1", 100)  # sent since the last heartbeat: 900 + 100 reaches the bound
+    local.sent("p1", 100)  # sent since the last heartbeat: 900 + 100 reaches the bound
     message = prefill_pool_full(Choice(p, d, "load"), local, 1000)
     assert message == "the prefill pool has 1000 prompt tokens queued (bound 1000)"
     assert prefill_pool_full(Choice(p, d, "load"), local, 0) is None  # 0: no bound
     assert prefill_pool_full(Choice(None, d, "local_short_prompt"), local, 1) is None
+
+
+def test_in_flight_counts_cover_only_what_the_last_report_cannot_show() -> None:
+    """A request counts from dispatch until a report made after it; its prompt tokens
+    only until its first token. (Counting every request to its end, on top of the
+    report, doubled the queue of a loaded prefill worker and sent long prompts to the
+    decode worker as if the prefill pool were saturated.)"""
+    local = LocalLoad()
+    long, short = local.sent("p1", 1800), local.sent("p1", 100)
+    decoding = local.sent("d1", 0)
+    unreported = worker("p1", "prefill")  # no report yet (the local pair: never)
+    assert local.prompt_tokens(unreported) == 1900
+    local.prefilled(long)  # its first token came back: it is decoding now
+    assert local.prompt_tokens(unreported) == 100
+    reported = worker("p1", "prefill", updated=short.sent + 1, queued_prompt_tokens=100)
+    assert local.prompt_tokens(reported) == 0  # the report shows the short prompt itself
+    d = worker("d1", "decode", running=1)
+    assert local.requests(d) == 1
+    assert local.requests(worker("d1", "decode", updated=decoding.sent + 1, running=1)) == 0
+    for flight in (long, short, decoding):
+        local.done(flight)
+    assert local.flights == {}
+    assert local.prompt_tokens(unreported) == 0 and local.requests(d) == 0
