@@ -36,17 +36,14 @@ from services.plan.costmodel import Profile  # noqa: E402
 from services.plan.fleet import FleetConfig, PoolSpec  # noqa: E402
 from services.plan.predict import predict_all  # noqa: E402
 
-# headline.py's configurations. `serve --mode disagg` routes by prompt length only (a
-# fixed pair, no saturation fallback), hence the unreachable saturation threshold.
-NEVER = 1 << 62
+# headline.py's configurations, as `serve` runs them: one engine on both cores, or one
+# prefill and one decode engine on a core each, routed by the router's load policy.
 CONFIGS = {
     "colocated_default": FleetConfig("colocated_default", PoolSpec(1, 2)),
     "colocated_tuned": FleetConfig("colocated_tuned", PoolSpec(1, 2, 256)),
-    "disaggregated": FleetConfig("disaggregated", PoolSpec(1, 1), PoolSpec(1, 1),
-                                 saturated_queue_tokens=NEVER),
+    "disaggregated": FleetConfig("disaggregated", PoolSpec(1, 1), PoolSpec(1, 1)),
     "disagg_conditional": FleetConfig("disagg_conditional", PoolSpec(1, 1), PoolSpec(1, 1),
-                                      local_prefill_max_tokens=256,
-                                      saturated_queue_tokens=NEVER),
+                                      local_prefill_max_tokens=256),
 }
 METRICS = (("ttft_p50", "ttft_p50", "TTFT p50 (s)"), ("ttft_p99", "ttft_p99", "TTFT p99 (s)"),
            ("tpot_p50", "tpot_p50", "TPOT p50 (s)"),

@@ -77,7 +77,7 @@ class EngineSim:
     prefilling: list[Job] = field(default_factory=list)
     ends: list[float] = field(default_factory=list)  # end time of every finished step
     kv_used: int = 0
-    queued_tokens: int = 0  # prompt tokens not computed yet (the router's prefill load)
+    queued_tokens: int = 0  # prompts waiting or being prefilled (what a worker reports)
     decoders: int = 0
     _dec_ctx_sum: int = 0  # contexts of the decoders at the next step
     _finish_heap: list[tuple[int, int, Job]] = field(default_factory=list)
@@ -155,9 +155,9 @@ class EngineSim:
             done.append(job)
         for job, chunk in self._sched:
             job.computed += chunk
-            self.queued_tokens -= chunk
             if job.computed < job.prompt:
                 continue
+            self.queued_tokens -= job.prompt
             self.prefilling.remove(job)
             job.join = step
             firsts.append(job)

@@ -14,7 +14,8 @@ step. Its KV streams layer by layer while the prompt computes, so it lands at th
 (the prefill's first step + the whole transfer) and (the prefill's end + one layer's
 share); then the decode worker admits it like any request, with one token left to
 compute, and the step that admits it is longer by the receiver's CPU cost where the
-transport takes CPU from the engine (CPU hosts).
+transport takes CPU from the engine (CPU hosts). Workers on one host ship through shared
+memory (``shm``), as pdserve's do, when the profile measured that transport.
 """
 
 from __future__ import annotations
@@ -53,6 +54,15 @@ class FleetConfig:
     def units(self) -> int:
         pools = [self.decode] + ([self.prefill] if self.prefill else [])
         return sum(p.engines * p.units for p in pools)
+
+
+def same_host_transport(config: FleetConfig, profile: Profile) -> str:
+    """The transport a pair of ``config`` ships KV over: workers on one host go through
+    shared memory whatever network transport is configured (as pdserve's workers do),
+    when the profile measured it; a fleet larger than one host uses the configured one."""
+    if "shm" in profile.transports and config.units <= profile.units_total:
+        return "shm"
+    return config.transport
 
 
 @dataclass(slots=True, frozen=True)
@@ -94,7 +104,8 @@ class Fleet:
 
     def __init__(self, config: FleetConfig, profile: Profile) -> None:
         self.config, self.profile = config, profile
-        if config.transport not in profile.transports and config.prefill is not None:
+        self.transport = same_host_transport(config, profile)
+        if self.transport not in profile.transports and config.prefill is not None:
             raise ValueError(f"the profile has no transport {config.transport!r}")
         self.decodes = [self._engine(config.decode, f"decode{i}")
                         for i in range(config.decode.engines)]
@@ -154,7 +165,7 @@ class Fleet:
         req = self.requests[flight.index]
         if req.out <= 1:
             return
-        transport = self.profile.transports[self.config.transport]
+        transport = self.profile.transports[self.transport]
         nbytes = req.prompt * self.profile.kv_bytes_per_token
         whole = transport.transfer_s(nbytes)
         layers = max(1, int(self.profile.model.get("layers", 1)))

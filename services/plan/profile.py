@@ -56,7 +56,7 @@ class Grid:
     repeats: int = 2
     chunked: bool = True  # also measure an engine at ``chunk_budget``
     one_core: bool = True
-    transports: tuple[str, ...] = ("grpc", "torch")
+    transports: tuple[str, ...] = ("grpc", "torch", "shm")
     transfer_blocks: int = 2
     transfer_rounds: int = 3
 

@@ -80,14 +80,19 @@ def test_a_request_that_can_never_fit_is_refused() -> None:
         engine.submit(Job(0, 40, 20))
 
 
-def test_the_router_sees_queued_prompt_tokens() -> None:
+def test_the_router_sees_the_prompts_waiting_or_being_prefilled() -> None:
+    """As a vLLM worker reports it: a prompt counts whole until its prefill is done."""
     engine = EngineSim(SIMPLE, EngineLimits(100, 4, 10_000))
     engine.submit(Job(0, 250, 1))
     assert engine.queued_tokens == 250
     end = engine.start_step(0.0)
     assert end == pytest.approx(2.0)
     engine.finish_step()
-    assert engine.queued_tokens == 150
+    assert engine.queued_tokens == 250
+    for _ in range(2):
+        engine.start_step(0.0)
+        engine.finish_step()
+    assert engine.queued_tokens == 0
 
 
 def test_the_long_prefill_cap_lets_a_short_prompt_through_and_is_lifted_when_alone() -> None:
