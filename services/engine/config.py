@@ -31,6 +31,15 @@ def format_cores(cores: list[int]) -> str:
     return ",".join(str(c) for c in cores)
 
 
+def parse_cores(spec: str) -> set[int]:
+    """The cores of a list such as '0', '0-3' or '0,2,4-5'."""
+    cores: set[int] = set()
+    for part in spec.split(","):
+        first, _, last = part.strip().partition("-")
+        cores.update(range(int(first), int(last or first) + 1))
+    return cores
+
+
 def split_cores(prefill_cores: str = "", decode_cores: str = "") -> tuple[str, str]:
     """Cores for the prefill and decode roles on one machine: as given, else the first
     and the second half of the cores this process may use."""
@@ -98,8 +107,9 @@ class EngineConfig(BaseSettings):
     )
     cpu_cores: str = Field(
         "",
-        description="CPU: cores the engine's worker is pinned to, e.g. '0' or '0-1' "
-        "(VLLM_CPU_OMP_THREADS_BIND); empty = all cores this process may use",
+        description="CPU: cores the engine is pinned to, its scheduler process and its "
+        "model worker, e.g. '0' or '0-1' (the compute threads through "
+        "VLLM_CPU_OMP_THREADS_BIND); empty = all cores this process may use",
     )
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
     max_queued_requests: int = Field(
@@ -143,6 +153,12 @@ class EngineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.cpu_cores:
+            try:
+                parse_cores(self.cpu_cores)
+            except ValueError:
+                raise ValueError(f"cpu_cores {self.cpu_cores!r} is not a core list such as "
+                                 "'0', '0-3' or '0,2,4-5'") from None
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.long_prefill_token_threshold > self.max_model_len:

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from services.engine.admission import Admission
-from services.engine.config import EngineConfig, cpu_only
+from services.engine.config import EngineConfig, cpu_only, parse_cores
 from services.engine.model import resolve_model
 from services.errors import EngineDead, InvalidRequest
 
@@ -64,6 +64,32 @@ def renice(pids: set[int], offset: int) -> None:
             psutil.Process(pid).nice(target)
         except (psutil.Error, OSError) as e:  # gone already, or not ours to change
             log.debug("could not renice %s: %s", pid, e)
+
+
+def pin(pids: set[int], cores: set[int]) -> None:
+    """Keep every thread of `pids` (the engine core and its model workers) on `cores`,
+    leaving threads vLLM bound within them (the model's compute threads) as they are.
+
+    vLLM binds only the model's compute threads; the engine-core process, which
+    schedules every step, is left wherever the OS puts it. Engine core and model worker
+    wait for each other by spinning (shared-memory queues, `sched_yield` for a second
+    after each message), so on a small host shared by two engines the decode engine's
+    core process was found running, or spinning, on the prefill engine's core: each
+    engine's spinning took cycles from the other's compute, and every decode step waited
+    for a scheduler starved on a busy core. On its own engine's cores the spinner yields
+    to its own partner.
+    """
+    for pid in pids:
+        try:
+            tids = [int(t) for t in os.listdir(f"/proc/{pid}/task")]
+        except OSError:
+            continue  # gone already
+        for tid in tids:
+            try:
+                if not os.sched_getaffinity(tid) <= cores:
+                    os.sched_setaffinity(tid, cores)
+            except OSError as e:  # gone, or not ours to change
+                log.debug("could not pin thread %s of %s: %s", tid, pid, e)
 
 
 class Engine:
@@ -121,8 +147,11 @@ class Engine:
         log.info("starting vLLM engine for %s", self.model_path)
         before = children()
         self._llm = AsyncLLM.from_engine_args(self.engine_args())
-        if cpu_only() and self.config.engine_nice:  # only the processes vLLM just spawned
-            renice(children() - before, self.config.engine_nice)
+        if cpu_only():  # only the processes vLLM just spawned
+            spawned = children() - before
+            pin(spawned, parse_cores(self.config.resolved_cores()))
+            if self.config.engine_nice:
+                renice(spawned, self.config.engine_nice)
         self._facts = self._read_facts()
 
     def shutdown(self) -> None:

@@ -113,3 +113,13 @@ def test_up_bounds_cpu_engine_steps_unless_the_operator_chose(
     if cpu_only():
         monkeypatch.setenv("PDSERVE_LONG_PREFILL_TOKEN_THRESHOLD", "0")
         assert engine().long_prefill_token_threshold == 0  # the environment chooses too
+
+
+def test_core_lists_parse_and_a_bad_one_says_what_is_expected() -> None:
+    from services.engine.config import EngineConfig, parse_cores
+
+    assert parse_cores("0") == {0}
+    assert parse_cores("0-3") == {0, 1, 2, 3}
+    assert parse_cores("0,2,4-5") == {0, 2, 4, 5}
+    with pytest.raises(ValueError, match="not a core list such as '0', '0-3'"):
+        EngineConfig(cpu_cores="first")
