@@ -79,8 +79,9 @@ async def colocated(model_path: Path, session_dir: Path,
         server.stop()
 
 
-async def start_disagg(session_dir: Path, transport: str) -> AsyncIterator[DisaggStack]:
-    stack = DisaggStack.create(session_dir / f"disagg-{transport}.log", transport)
+async def start_disagg(session_dir: Path, transport: str, *extra: str,
+                       ) -> AsyncIterator[DisaggStack]:
+    stack = DisaggStack.create(session_dir / f"disagg-{transport}.log", transport, *extra)
     stack.server.start()
     try:
         await stack.server.wait_ready(timeout=600)
@@ -97,7 +98,8 @@ async def disagg_grpc(model_path: Path, session_dir: Path) -> AsyncIterator[Disa
 
 @pytest.fixture(scope="module")
 async def disagg_torch(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
-    async for stack in start_disagg(session_dir, "torch"):
+    # With the engines' schedulers pinned too: the other stack runs the default.
+    async for stack in start_disagg(session_dir, "torch", "--pin-scheduler"):
         yield stack
 
 

@@ -107,9 +107,8 @@ class EngineConfig(BaseSettings):
     )
     cpu_cores: str = Field(
         "",
-        description="CPU: cores the engine is pinned to, its scheduler process and its "
-        "model worker, e.g. '0' or '0-1' (the compute threads through "
-        "VLLM_CPU_OMP_THREADS_BIND); empty = all cores this process may use",
+        description="CPU: cores the engine's model worker is pinned to, e.g. '0' or '0-1' "
+        "(VLLM_CPU_OMP_THREADS_BIND); empty = all cores this process may use",
     )
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
     max_queued_requests: int = Field(
@@ -135,6 +134,16 @@ class EngineConfig(BaseSettings):
         10, ge=0, le=19, description="CPU: niceness the engine's processes get above this "
         "process's, so RPCs, health checks and the router preempt model compute on shared "
         "cores (0 = same priority)")
+    # vLLM pins the model's compute threads only; its engine-core process (the scheduler)
+    # goes where the OS puts it, and it spins for a second after every message to its
+    # worker. Two engines on a small host: each scheduler was found spinning on, or
+    # starved on, the other engine's core (BENCHMARKS.md, "Handoff stall").
+    pin_scheduler: bool = Field(
+        False, description="CPU: also keep vLLM's engine-core (scheduler) process on "
+        "cpu_cores. Measured on 2 cores, prefill and decode on one each: handoffs' cost to "
+        "running streams (ITL p99 ratio) 1.47 -> 1.11, but the median decode step 20-35% "
+        "slower while the other core has idle time (the scheduler's CPU then comes out of "
+        "the engine's own cores)")
     allocator: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",
         description="CPU: memory allocator of the engine's processes (LD_PRELOAD); auto = "

@@ -75,9 +75,10 @@ def pin(pids: set[int], cores: set[int]) -> None:
     wait for each other by spinning (shared-memory queues, `sched_yield` for a second
     after each message), so on a small host shared by two engines the decode engine's
     core process was found running, or spinning, on the prefill engine's core: each
-    engine's spinning took cycles from the other's compute, and every decode step waited
-    for a scheduler starved on a busy core. On its own engine's cores the spinner yields
-    to its own partner.
+    engine's spinning took cycles from the other's compute, and decode steps waited for
+    a scheduler starved on a busy core. On its own engine's cores the spinner yields to
+    its own partner, but the scheduler's work then serializes with the model's: hence
+    opt-in (`pin_scheduler`).
     """
     for pid in pids:
         try:
@@ -149,7 +150,8 @@ class Engine:
         self._llm = AsyncLLM.from_engine_args(self.engine_args())
         if cpu_only():  # only the processes vLLM just spawned
             spawned = children() - before
-            pin(spawned, parse_cores(self.config.resolved_cores()))
+            if self.config.pin_scheduler:
+                pin(spawned, parse_cores(self.config.resolved_cores()))
             if self.config.engine_nice:
                 renice(spawned, self.config.engine_nice)
         self._facts = self._read_facts()

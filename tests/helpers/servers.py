@@ -113,14 +113,14 @@ class DisaggStack:
     decode_metrics: int = field(default_factory=free_port)
 
     @classmethod
-    def create(cls, log_path: Path, transport: str) -> DisaggStack:
+    def create(cls, log_path: Path, transport: str, *extra: str) -> DisaggStack:
         stack = cls(ServerProcess([], log_path))
         stack.server.args = [
             "--mode", "disagg", "--kv-transport", transport, "--kv-cache-gib", "1",
             "--allow-fault-injection",
             "--prefill-port", str(stack.prefill_port), "--decode-port", str(stack.decode_port),
             "--prefill-metrics-port", str(stack.prefill_metrics),
-            "--decode-metrics-port", str(stack.decode_metrics),
+            "--decode-metrics-port", str(stack.decode_metrics), *extra,
         ]
         return stack
 
