@@ -141,9 +141,9 @@ class EngineConfig(BaseSettings):
     pin_scheduler: bool = Field(
         False, description="CPU: also keep vLLM's engine-core (scheduler) process on "
         "cpu_cores. Measured on 2 cores, prefill and decode on one each: handoffs' cost to "
-        "running streams (ITL p99 ratio) 1.47 -> 1.11, but the median decode step 20-35% "
-        "slower while the other core has idle time (the scheduler's CPU then comes out of "
-        "the engine's own cores)")
+        "running streams (ITL p99 ratio) 1.87 -> 1.11, but the median decode step 27% "
+        "slower (the scheduler's CPU then comes out of the engine's own cores instead of "
+        "an idle one)")
     allocator: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",
         description="CPU: memory allocator of the engine's processes (LD_PRELOAD); auto = "

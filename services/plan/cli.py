@@ -51,7 +51,8 @@ def _profile(args: argparse.Namespace) -> int:
     reap_children_on_exit()
     base = EngineConfig.model_validate({
         "model": args.model, "dtype": args.dtype, "kv_cache_gib": args.kv_cache_gib,
-        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs})
+        "max_model_len": args.max_model_len, "max_num_seqs": args.max_num_seqs,
+        "pin_scheduler": args.pin_scheduler})
     from services.plan.profile import Grid
 
     grid = QUICK if args.quick else Grid()
@@ -178,6 +179,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prof.add_argument("--max-model-len", type=int, default=2048, help="context length")
     prof.add_argument("--max-num-seqs", type=int, default=64,
                       help="most sequences in one step (as the served engines)")
+    prof.add_argument("--pin-scheduler", action="store_true",
+                      help="CPU: profile engines as served with --pin-scheduler")
     prof.add_argument("--quick", action="store_true",
                       help="a tiny grid on one engine (seconds of measuring; for tests)")
     prof.add_argument("--no-transports", action="store_true", help="skip the KV transports")
