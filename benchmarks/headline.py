@@ -135,8 +135,8 @@ def main() -> None:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"args": vars(args), "configs": {}}
+    extra = ["--pin-scheduler"] if args.pin_scheduler else []
     for name in args.configs:
-        extra = ["--pin-scheduler"] if args.pin_scheduler else []
         server = ServerProcess([*CONFIGS[name], "--kv-cache-gib", "2",
                                 "--no-enable-prefix-caching", *extra], runs / f"{name}.log")
         server.start()

@@ -134,10 +134,7 @@ class EngineConfig(BaseSettings):
         10, ge=0, le=19, description="CPU: niceness the engine's processes get above this "
         "process's, so RPCs, health checks and the router preempt model compute on shared "
         "cores (0 = same priority)")
-    # vLLM pins the model's compute threads only; its engine-core process (the scheduler)
-    # goes where the OS puts it, and it spins for a second after every message to its
-    # worker. Two engines on a small host: each scheduler was found spinning on, or
-    # starved on, the other engine's core (BENCHMARKS.md, "Handoff stall").
+    # Why and at what cost: engine.py's `pin`, and BENCHMARKS.md, "Handoff stall".
     pin_scheduler: bool = Field(
         False, description="CPU: also keep vLLM's engine-core (scheduler) process on "
         "cpu_cores. Measured on 2 cores, prefill and decode on one each: handoffs' cost to "

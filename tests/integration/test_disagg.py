@@ -369,4 +369,3 @@ async def test_engine_processes_run_on_tcmalloc_below_the_serving_plane(
         assert "libtcmalloc" in maps, f"{p.name()} ({p.pid}) does not run on tcmalloc"
         worker = next(a for a in p.parents() if not a.name().startswith("VLLM::"))
         assert p.nice() == min(19, worker.nice() + 10), (p.name(), p.nice(), worker.nice())
-
