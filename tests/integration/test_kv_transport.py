@@ -38,6 +38,7 @@ from services.kv.transport import (
 from services.kv.transport.frames import FrameKind
 from services.kv.transport.grpc_channel import PAIR, PUSH, SHM, channel_options
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
+from services.kv.transport.shm_receiver import ShmInbound
 
 pytestmark = pytest.mark.timeout(240)  # spawned senders import torch: slow on a busy host
 
@@ -836,6 +837,132 @@ def test_shm_reuses_one_segment_and_stages_without_a_copy(receivers: dict[str, A
     finally:
         tx.close()
         tx.fallback.close()
+
+
+def shm_raw(address: str, tid: str, layers: list[torch.Tensor],
+            announce: Any) -> grpc.RpcError | bytes:
+    """A Shm stream driven by hand: HEADER, then on SEGMENT write `layers` into the
+    segment and send the frames `announce(segment reply body, checksums)` returns, then
+    END; the receiver's last reply, or its error."""
+    control: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+    control.put(header(tid))
+    with grpc.insecure_channel(address, options=channel_options(CFG)) as channel:
+        call = channel.stream_stream(SHM)(iter(control.get, None), timeout=10)
+        try:
+            body = frames.decode_frame(next(call)).body  # type: ignore[union-attr]
+            seg = shm_segments.map_segment(body["name"], body["nbytes"])
+            sums = []
+            for i, t in enumerate(layers):
+                region = seg[i * LAYER_BYTES : (i + 1) * LAYER_BYTES]
+                region.copy_(t.reshape(-1).view(torch.uint8))
+                sums.append(checksum.digest(CFG.checksum, frames.byte_view(region)))
+            for frame in announce(body, sums):
+                control.put(frame)
+            control.put(frames.encode_control(FrameKind.END, {"chunks": LAYERS,
+                                                              "nbytes": LAYERS * LAYER_BYTES}))
+            reply: bytes = next(call)
+            return reply
+        except grpc.RpcError as e:
+            return e
+        finally:
+            control.put(None)
+
+
+def layer_frame(**body: Any) -> bytes:
+    return frames.encode_control(FrameKind.LAYER, body)
+
+
+def batched(_: dict[str, Any], sums: list[int]) -> list[bytes]:
+    return [layer_frame(layers=[[i, LAYER_BYTES, v] for i, v in enumerate(sums[:3])]),
+            layer_frame(layers=[[3, LAYER_BYTES, sums[3]]])]
+
+
+def one_per_layer(_: dict[str, Any], sums: list[int]) -> list[bytes]:
+    """What senders that predate batched announcements send."""
+    return [layer_frame(transfer_id="x", layer=i, nbytes=LAYER_BYTES, checksum=v)
+            for i, v in enumerate(sums)]
+
+
+@pytest.mark.parametrize("announce", [batched, one_per_layer], ids=["batched", "one-per-layer"])
+def test_shm_takes_layers_announced_together_or_one_by_one(
+    receivers: dict[str, Any], announce: Any
+) -> None:
+    rx, layers, tid = receivers["shm"], kv_layers(45), f"shm-raw-{uuid.uuid4().hex[:6]}"
+    offers = []
+
+    def frames_of(body: dict[str, Any], sums: list[int]) -> list[bytes]:
+        offers.append(body.get("batches"))
+        return announce(body, sums)  # type: ignore[no-any-return]
+
+    reply = shm_raw(rx.address, tid, layers, frames_of)
+    assert offers == [True]  # this receiver says it takes batched announcements
+    assert reply == frames.encode_ack(tid, True, None, LAYERS * LAYER_BYTES), reply
+    got = rx.take(tid)
+    assert got is not None and same_bits(got.layers, layers)
+    rx.release(got)
+
+
+def test_shm_sender_announces_layer_by_layer_to_a_receiver_that_does_not_batch(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # A receiver of the protocol before batched announcements: it offers no `batches` in
+    # SEGMENT and takes only the one-layer form. The sender must fall back to that form.
+    def one_layer_only(self: ShmInbound, st: Any, body: dict[str, Any]) -> None:
+        if "layers" in body:
+            raise frames.FrameError("missing field 'layer'")
+        self._verify(st, *(frames.field(body, k, int) for k in ("layer", "nbytes", "checksum")))
+
+    monkeypatch.setattr(ShmInbound, "batches", False)
+    monkeypatch.setattr(ShmInbound, "_verify_all", one_layer_only)
+    rx = make_receiver("grpc", RX_ID, CFG, "127.0.0.1", 0)
+    tx = new_sender("shm")
+    try:
+        layers = kv_layers(47)
+        send_all(tx, rx.address, "shm-old-rx", layers)  # all queued at once: would batch
+        assert wait_outcome(tx, "shm-old-rx").ok and tx.poll_fallbacks() == []
+        got = rx.take("shm-old-rx")
+        assert got is not None and same_bits(got.layers, layers)
+    finally:
+        tx.close()
+        tx.fallback.close()
+        rx.close()
+
+
+@pytest.mark.parametrize(
+    ("announce", "code", "reason"),
+    [
+        (lambda b, s: [layer_frame(layers=[])], grpc.StatusCode.INVALID_ARGUMENT,
+         "announces 0 layers"),
+        (lambda b, s: [layer_frame(layers=[[0, LAYER_BYTES, s[0]]] * (LAYERS + 1))],
+         grpc.StatusCode.INVALID_ARGUMENT, "announces 5 layers"),
+        (lambda b, s: [layer_frame(layers=[[0, LAYER_BYTES]])], grpc.StatusCode.INVALID_ARGUMENT,
+         "must be [layer, nbytes, checksum]"),
+        (lambda b, s: [layer_frame(layers=[[0, LAYER_BYTES, True]])],
+         grpc.StatusCode.INVALID_ARGUMENT, "must be [layer, nbytes, checksum]"),
+        (lambda b, s: [layer_frame(layers="0")], grpc.StatusCode.INVALID_ARGUMENT,
+         "field 'layers' must be list"),
+        (lambda b, s: [layer_frame(layers=[[0, LAYER_BYTES, s[0]], [0, LAYER_BYTES, s[0]]])],
+         grpc.StatusCode.INVALID_ARGUMENT, "duplicate layer 0"),
+        (lambda b, s: [layer_frame(layers=[[7, LAYER_BYTES, 0]])],
+         grpc.StatusCode.INVALID_ARGUMENT, "out of range"),
+        (lambda b, s: [layer_frame(layers=[[0, LAYER_BYTES, s[0] ^ 1]])],
+         grpc.StatusCode.DATA_LOSS, "checksum mismatch in layer 0"),
+        (lambda b, s: [layer_frame(layers=[[i, LAYER_BYTES, v] for i, v in enumerate(s[:3])])],
+         grpc.StatusCode.DATA_LOSS, "truncated"),
+    ],
+    ids=["empty", "too-many", "short-entry", "bool-checksum", "not-a-list", "duplicate",
+         "unknown-layer", "bad-checksum", "layer-missing"],
+)
+def test_broken_shm_announcements_fail_with_a_reason(
+    receivers: dict[str, Any], announce: Any, code: grpc.StatusCode, reason: str
+) -> None:
+    rx, tid = receivers["shm"], f"shm-hostile-{uuid.uuid4().hex[:6]}"
+    result = shm_raw(rx.address, tid, kv_layers(46), announce)
+    assert isinstance(result, grpc.RpcError), result
+    assert result.code() is code and reason in (result.details() or ""), result
+    assert rx.state(tid) is ReceiveState.FAILED and rx.take(tid) is None
+    rx.discard(tid)
+    assert_still_serves(rx, "shm")
 
 
 def test_shm_falls_back_to_the_network_when_the_receiver_has_it_off() -> None:

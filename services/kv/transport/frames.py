@@ -68,8 +68,9 @@ class FrameKind(enum.IntEnum):
     HELLO = 5  # {sender, pair_id, receiver_host, device}: asks for a pair group
     READY = 6  # {store_port, prefix}: where to rendezvous for it
     LAYER = 7  # {transfer_id, layer, nbytes, checksum, tag}: a payload follows on the group
+    #            (shm: {layers: [[layer, nbytes, checksum], ...]}, layers in the segment)
     CANCEL = 8  # {transfer_id, reason}: the sender abandons a transfer
-    SEGMENT = 9  # {name, nbytes}: the shared-memory segment to write a transfer into
+    SEGMENT = 9  # {name, nbytes, batches}: the shared-memory segment to write a transfer into
 
 
 class FrameError(ValueError):

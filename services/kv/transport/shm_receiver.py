@@ -2,11 +2,14 @@
 
 One bidirectional stream per transfer, on the receiver's one gRPC server (so the decode
 worker keeps one `kv_address`): HEADER -> SEGMENT {name, nbytes} (a segment from the
-receiver's `SegmentPool`, which the transfer's staged layers are views of), then per
-layer LAYER {transfer_id, layer, nbytes, checksum} once the sender has copied that layer
-into the segment, then END -> ACK. The receiver verifies each layer's checksum over the
-segment (native code, GIL released) and never copies the payload: the connector's copy
-into the paged cache is the one copy out. Any failure ends the stream with a status.
+receiver's `SegmentPool`, which the transfer's staged layers are views of; `batches`
+says this receiver takes several layers per LAYER frame), then LAYER {layers: [[layer,
+nbytes, checksum], ...]} announcing the layers the sender has copied into the segment
+since its previous LAYER frame (or the one-layer form {transfer_id, layer, nbytes,
+checksum} of senders that predate `batches`), then END -> ACK. The receiver verifies
+each layer's checksum over the segment (native code, GIL released) and never copies the
+payload: the connector's copy into the paged cache is the one copy out. Any failure ends
+the stream with a status.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ from services.kv.transport.stream_status import stream_failure
 class ShmInbound:
     """Serves Shm streams into `table`, staging in segments of `segments`."""
 
+    batches = True  # offered in SEGMENT: several layers per LAYER frame are taken
+
     def __init__(
         self,
         table: StagingTable,
@@ -45,14 +50,15 @@ class ShmInbound:
             sender, spec, algorithm = frames.decode_header(frame.body)
             st = self.table.open(sender, spec, algorithm, context.cancel, self.segments)
             assert st.slab is not None
-            body = {"name": self.segments.name_of(st.slab), "nbytes": spec.total_nbytes}
+            body = {"name": self.segments.name_of(st.slab), "nbytes": spec.total_nbytes,
+                    "batches": self.batches}
             yield frames.encode_control(FrameKind.SEGMENT, body)
             for raw in requests:
                 frame = frames.decode_frame(raw)
                 if not isinstance(frame, ControlFrame):
                     raise FrameError("DATA frames do not belong on a shm stream")
                 if frame.kind is FrameKind.LAYER:
-                    self._verify(st, frame.body)
+                    self._verify_all(st, frame.body)
                 elif frame.kind is FrameKind.END:
                     chunks = frames.field(frame.body, "chunks", int)
                     nbytes = frames.field(frame.body, "nbytes", int)
@@ -70,10 +76,21 @@ class ShmInbound:
         self.table.fail(st, reason)
         context.abort(code, reason)
 
-    def _verify(self, st: Staged, body: dict[str, Any]) -> None:
-        layer = frames.field(body, "layer", int)
-        nbytes = frames.field(body, "nbytes", int)
-        value = frames.field(body, "checksum", int)
+    def _verify_all(self, st: Staged, body: dict[str, Any]) -> None:
+        if "layers" not in body:
+            fields = [frames.field(body, k, int) for k in ("layer", "nbytes", "checksum")]
+            self._verify(st, *fields)
+            return
+        announced = frames.field(body, "layers", list)
+        if not announced or len(announced) > st.spec.num_layers:
+            raise FrameError(f"LAYER frame announces {len(announced)} layers")
+        for entry in announced:
+            if not (isinstance(entry, list) and len(entry) == 3
+                    and all(type(x) is int for x in entry)):
+                raise FrameError("a LAYER entry must be [layer, nbytes, checksum] (ints)")
+            self._verify(st, *entry)
+
+    def _verify(self, st: Staged, layer: int, nbytes: int, value: int) -> None:
         buf = self.table.layer_buffer(st, layer, nbytes)
         if checksum.digest(st.checksum, frames.byte_view(buf)) != value:
             raise TransferFault(f"checksum mismatch in layer {layer}", data_loss=True)

@@ -2,14 +2,17 @@
 
 Per transfer, one thread opens a Shm stream to the receiver, maps the segment it names
 (mappings are cached per segment name: the receiver reuses segments, so a reused one is
-already mapped and paged in), copies each layer in (the one copy in), checksums it there
-and announces it with a LAYER frame.
+already mapped and paged in), copies each layer in (the one copy in) and checksums it
+there, and announces the layers written with a LAYER frame: as soon as no further layer
+is waiting (while the model computes the next one), else once `ANNOUNCE_BYTES` are
+written. Each message costs the receiver about as much CPU as verifying a layer, so a
+transfer whose layers are all ready takes a few messages, not one per layer.
 
 A transfer that cannot start over shared memory (the receiver does not serve Shm, the
 segment cannot be mapped: another container's /dev/shm, another user) is handed to the
 `fallback` network sender before any layer was written, so it is not lost; the reason is
 reported once per transfer by `poll_fallbacks()`. CUDA layers are copied to the host
-segment (one device-to-host copy); see `cuda_ipc` for the device-to-device path.
+segment (one device-to-host copy); a device-to-device path (CUDA IPC) is not built.
 """
 
 from __future__ import annotations
@@ -54,12 +57,16 @@ class _Fallback(Exception):
         self.reason = reason
 
 
+ANNOUNCE_BYTES = 4 << 20  # announce at least this often while layers queue up
+
+
 @dataclass(eq=False)
 class ShmLink:
     items: queue.SimpleQueue[Item] = field(default_factory=queue.SimpleQueue)
     control: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
     call: Any = None  # the Shm stream (an iterator of replies with cancel())
     segment: str = ""  # the segment's name once the receiver named it
+    batches: bool = False  # the receiver takes several layers per LAYER frame
 
 
 class ShmKVSender(SenderCore[ShmLink]):
@@ -186,7 +193,7 @@ class ShmKVSender(SenderCore[ShmLink]):
         nbytes = frames.field(reply.body, "nbytes", int)
         if nbytes != out.spec.total_nbytes:
             raise FrameError(f"segment of {nbytes} bytes for {out.spec.total_nbytes}")
-        link.segment = name
+        link.segment, link.batches = name, reply.body.get("batches") is True
         try:
             return self._segment(name, nbytes)
         except (OSError, ValueError) as e:
@@ -195,7 +202,12 @@ class ShmKVSender(SenderCore[ShmLink]):
 
     def _ship(self, out: Outgoing[ShmLink], link: ShmLink, seg: torch.Tensor) -> None:
         spec, step = out.spec, out.spec.layer_nbytes
+        written: list[list[int]] = []  # [layer, nbytes, checksum] not announced yet
         while True:
+            if written and (link.items.empty() or len(written) * step >= ANNOUNCE_BYTES
+                            or not link.batches):
+                self._announce(out, link, written)
+                written = []
             out.phase = "waiting for layers"
             try:
                 item = link.items.get(timeout=self.config.stall_timeout_s)
@@ -208,6 +220,7 @@ class ShmKVSender(SenderCore[ShmLink]):
                 return
             out.last_progress = time.monotonic()
             if item == END_ITEM:
+                self._announce(out, link, written)
                 out.phase = "waiting for the receiver's ack"
                 body = {"chunks": spec.num_layers, "nbytes": spec.total_nbytes}
                 link.control.put(frames.encode_control(FrameKind.END, body))
@@ -229,9 +242,20 @@ class ShmKVSender(SenderCore[ShmLink]):
                     region[0] ^= 0xFF
             finally:
                 self.release_item(item)
-            announce: dict[str, Any] = {"transfer_id": spec.transfer_id, "layer": item.layer}
-            announce.update(nbytes=step, checksum=value)
-            link.control.put(frames.encode_control(FrameKind.LAYER, announce))
+            written.append([item.layer, step, value])
+
+    @staticmethod
+    def _announce(out: Outgoing[ShmLink], link: ShmLink, written: list[list[int]]) -> None:
+        """LAYER frames for the layers in `written`: one, or one per layer for a receiver
+        that did not say it takes several per frame (older than this protocol)."""
+        assert out.link is link
+        if link.batches and written:
+            link.control.put(frames.encode_control(FrameKind.LAYER, {"layers": written}))
+            return
+        for layer, nbytes, value in written:
+            body = {"transfer_id": out.spec.transfer_id, "layer": layer, "nbytes": nbytes,
+                    "checksum": value}
+            link.control.put(frames.encode_control(FrameKind.LAYER, body))
 
     def _hand_over(self, out: Outgoing[ShmLink], link: ShmLink, reason: str, detail: str) -> None:
         """Ship `out` over the fallback sender instead: forward every item to it."""
