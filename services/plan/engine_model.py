@@ -10,6 +10,12 @@ budget is split into chunks over several steps, and none gets more than
 engine. A request emits a token at the end of the step that computes the last chunk of
 its prompt, then one per step.
 
+A shipped request (``submit_remote``) waits one step more, as vLLM's asynchronous KV
+load does: the connector finds its KV complete at the start of a step, copies it into the
+paged cache during that step (the step is longer by the copy's CPU, ``handoff_s``) and
+reports it at its end, and the scheduler schedules the request in the next step. An idle
+engine notices it at once (its empty polling steps cost next to nothing).
+
 Two simplifications, both exact while the KV cache is not the bottleneck: a request
 reserves KV for its whole length (prompt + output) when admitted, so nothing is ever
 preempted (vLLM admits on the prompt and preempts on overflow); and the engine's step
@@ -85,10 +91,17 @@ class EngineSim:
     _step_decoders: int = 0
     step_end: float | None = None  # end of the step in flight; None when idle
     busy_s: float = 0.0
+    landed: list[Job] = field(default_factory=list)  # shipped KV here, not yet noticed
+    loading: list[Job] = field(default_factory=list)  # noticed by the step in flight
 
     @property
     def running(self) -> int:
         return self.decoders + len(self.prefilling)
+
+    @property
+    def requests(self) -> int:
+        """Requests in the engine: running, waiting, or waiting for their KV to load."""
+        return self.running + len(self.waiting) + len(self.landed) + len(self.loading)
 
     def submit(self, job: Job) -> None:
         if job.length > self.limits.kv_cache_tokens:
@@ -97,12 +110,24 @@ class EngineSim:
         self.waiting.append(job)
         self.queued_tokens += job.prompt
 
+    def submit_remote(self, job: Job) -> None:
+        """A shipped request whose KV has landed: schedulable after the step that loads it
+        (module doc), at once on an idle engine."""
+        if self.step_end is None:
+            self.submit(job)
+        else:
+            self.landed.append(job)
+
     def start_step(self, now: float) -> float | None:
         """Schedules the next step at ``now``; returns its end, or None with no work."""
         assert self.step_end is None, "a step is already in flight"
         budget = self.limits.max_num_batched_tokens - self.decoders
         sched: list[tuple[Job, int]] = []
         tokens, attention, stall = 0, 0.0, 0.0
+        self.loading, self.landed = self.landed, []
+        for job in self.loading:  # copied into the paged cache during this step
+            stall += job.handoff_s
+            job.handoff_s = 0.0
         # vLLM lifts the cap when one request is all the engine has: nobody to starve.
         cap = self.limits.long_prefill_token_threshold
         if not cap or self.running + len(self.waiting) <= 1:
@@ -125,7 +150,7 @@ class EngineSim:
             chunk = min(job.prompt, budget, cap)
             sched.append((job, chunk))
             budget -= chunk
-        if not sched and not self.decoders:
+        if not sched and not self.decoders and not self.loading:
             return None
         for job, chunk in sched:
             tokens += chunk
@@ -171,6 +196,9 @@ class EngineSim:
                 self._dec_ctx_sum += job.context + job.prompt + 1
                 heapq.heappush(self._finish_heap, (job.finish, job.rid, job))
         self._sched = []
+        for job in self.loading:  # reported loaded: the next step may schedule it
+            self.submit(job)
+        self.loading = []
         return firsts, done
 
     def token_times(self, job: Job) -> list[float]:

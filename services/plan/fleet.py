@@ -12,10 +12,11 @@ prefill pool every request runs start to end on a decode-pool engine: colocated 
 A shipped request's first token leaves the prefill worker at the end of its last prefill
 step. Its KV streams layer by layer while the prompt computes, so it lands at the later of
 (the prefill's first step + the whole transfer) and (the prefill's end + one layer's
-share); then the decode worker admits it like any request, with one token left to
-compute, and the step that admits it is longer by the receiver's CPU cost where the
-transport takes CPU from the engine (CPU hosts). Workers on one host ship through shared
-memory (``shm``), as pdserve's do, when the profile measured that transport.
+share); then the decode worker loads it in its next step, which is longer by the copy's
+CPU where the transport takes CPU from the engine (CPU hosts), and schedules it, with one
+token left to compute, in the step after (``EngineSim.submit_remote``). Workers on one
+host ship through shared memory (``shm``), as pdserve's do, when the profile measured that
+transport.
 """
 
 from __future__ import annotations
@@ -136,7 +137,7 @@ class Fleet:
     def _decode_choice(self) -> int:
         def load(i: int) -> float:
             e = self.decodes[i]
-            return (e.running + len(e.waiting)) / e.limits.max_num_seqs
+            return e.requests / e.limits.max_num_seqs
         return min(range(len(self.decodes)), key=load)
 
     def _route(self, flight: _Flight, req: SimRequest, now: float) -> None:
@@ -222,7 +223,7 @@ class Fleet:
                 self._route(flight, req, now)
             else:
                 flight = self._flights[arg]
-                self.decodes[flight.decode_engine].submit(self._pending.pop(arg))
+                self.decodes[flight.decode_engine].submit_remote(self._pending.pop(arg))
                 self._kick(flight.decode_engine, now)
         for res in self.results:
             if horizon_s is not None and res.end_s > horizon_s:

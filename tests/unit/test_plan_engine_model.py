@@ -12,11 +12,11 @@ SIMPLE = StepCost(base_s=1.0, prefill_token_s=0.01, decode_seq_s=0.0, attention_
                   decode_context_s=0.0)
 
 
-def run(engine: EngineSim, jobs: list[Job]) -> dict[int, list[float]]:
-    """Steps the engine from t=0 until it is idle; the token times of every job."""
+def run(engine: EngineSim, jobs: list[Job], start: float = 0.0) -> dict[int, list[float]]:
+    """Steps the engine from ``start`` until it is idle; the token times of every job."""
     for job in jobs:
         engine.submit(job)
-    now, times = 0.0, {}
+    now, times = start, {}
     while (end := engine.start_step(now)) is not None:
         now = end
         _, done = engine.finish_step()
@@ -72,6 +72,28 @@ def test_a_shipped_request_computes_one_token_and_pays_the_handoff() -> None:
     times = run(engine, [Job(0, 1, 3, context=999, handoff_s=0.25)])
     # one token with 999 of context already there: 1.01 s + 0.25 s handoff, then 2 decodes
     assert times == {0: [1.26, 2.26, 3.26]}
+
+
+def test_a_shipped_request_landing_mid_step_is_loaded_in_the_next_step_then_scheduled() -> None:
+    # vLLM's asynchronous KV load: found complete at a step's start, copied in during that
+    # step (which pays the handoff), reported at its end, scheduled in the step after.
+    engine = EngineSim(SIMPLE, EngineLimits(100, 4, 10_000))
+    engine.submit(Job(0, 1, 5))
+    assert engine.start_step(0.0) == pytest.approx(1.01)  # job 0's prefill, in flight
+    shipped = Job(1, 1, 2, context=999, handoff_s=0.25)
+    engine.submit_remote(shipped)  # lands at t=0.5, mid-step
+    assert engine.requests == 2 and not engine.waiting
+    engine.finish_step()
+    times = run(engine, [], start=1.01)
+    # step 2 (1.01-2.26) decodes job 0 and loads job 1 (+0.25 s); step 3 (2.26-3.27)
+    # schedules job 1's one token; then one more decode step.
+    assert times == {1: [3.27, 4.27], 0: [1.01, 2.26, 3.27, 4.27, 5.27]}
+
+
+def test_an_idle_engine_schedules_a_shipped_request_at_once() -> None:
+    engine = EngineSim(SIMPLE, EngineLimits(100, 4, 10_000))
+    engine.submit_remote(Job(0, 1, 2, context=999, handoff_s=0.25))
+    assert engine.start_step(0.0) == pytest.approx(1.26)
 
 
 def test_a_request_that_can_never_fit_is_refused() -> None:
