@@ -6,6 +6,7 @@ Every fault test ends by checking that the same receiver still completes a norma
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import multiprocessing as mp
 import os
@@ -839,6 +840,19 @@ def test_shm_reuses_one_segment_and_stages_without_a_copy(receivers: dict[str, A
         tx.fallback.close()
 
 
+@contextlib.contextmanager
+def receiver_and_shm_sender(cfg: TransportConfig) -> Iterator[tuple[Any, Any]]:
+    """A fresh receiver with `cfg` and a shm sender (with its gRPC fallback), closed after."""
+    rx = make_receiver("grpc", RX_ID, cfg, "127.0.0.1", 0)
+    tx = new_sender("shm")
+    try:
+        yield rx, tx
+    finally:
+        tx.close()
+        tx.fallback.close()
+        rx.close()
+
+
 def shm_raw(address: str, tid: str, layers: list[torch.Tensor],
             announce: Any) -> grpc.RpcError | bytes:
     """A Shm stream driven by hand: HEADER, then on SEGMENT write `layers` into the
@@ -914,18 +928,12 @@ def test_shm_sender_announces_layer_by_layer_to_a_receiver_that_does_not_batch(
 
     monkeypatch.setattr(ShmInbound, "batches", False)
     monkeypatch.setattr(ShmInbound, "_verify_all", one_layer_only)
-    rx = make_receiver("grpc", RX_ID, CFG, "127.0.0.1", 0)
-    tx = new_sender("shm")
-    try:
+    with receiver_and_shm_sender(CFG) as (rx, tx):
         layers = kv_layers(47)
         send_all(tx, rx.address, "shm-old-rx", layers)  # all queued at once: would batch
         assert wait_outcome(tx, "shm-old-rx").ok and tx.poll_fallbacks() == []
         got = rx.take("shm-old-rx")
         assert got is not None and same_bits(got.layers, layers)
-    finally:
-        tx.close()
-        tx.fallback.close()
-        rx.close()
 
 
 @pytest.mark.parametrize(
@@ -966,9 +974,7 @@ def test_broken_shm_announcements_fail_with_a_reason(
 
 
 def test_shm_falls_back_to_the_network_when_the_receiver_has_it_off() -> None:
-    rx = make_receiver("grpc", RX_ID, dataclasses.replace(CFG, shm=False), "127.0.0.1", 0)
-    tx = new_sender("shm")
-    try:
+    with receiver_and_shm_sender(dataclasses.replace(CFG, shm=False)) as (rx, tx):
         layers = kv_layers(40)
         send_all(tx, rx.address, "shm-off", layers)
         outcome = wait_outcome(tx.fallback, "shm-off")  # the network sender reports it
@@ -977,10 +983,6 @@ def test_shm_falls_back_to_the_network_when_the_receiver_has_it_off() -> None:
         assert (peer, reason) == (rx.address, "receiver_refuses_shm") and "UNIMPLEMENTED" in detail
         got = rx.take("shm-off")
         assert got is not None and same_bits(got.layers, layers)
-    finally:
-        tx.close()
-        tx.fallback.close()
-        rx.close()
 
 
 def test_shm_segments_are_unlinked_on_close_and_failed_ones_at_once() -> None:
