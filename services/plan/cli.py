@@ -90,7 +90,7 @@ def _predict(args: argparse.Namespace) -> int:
     from services.plan.configs import configurations, helm_values, to_yaml, up_flags
     from services.plan.costmodel import Profile
     from services.plan.plots import goodput_vs_rate
-    from services.plan.predict import best_per_rate, predict_all, rank
+    from services.plan.predict import CLOSE_CALL, best_per_rate, close_calls, predict_all, rank
 
     profile = Profile.load(Path(args.profile))
     rates = list(args.rates)
@@ -121,6 +121,11 @@ def _predict(args: argparse.Namespace) -> int:
     chosen = next(c for c in configs if c.name == ranking[0][0])
     print(f"\nrecommended: {chosen.name}\n  " + " ".join(up_flags(chosen, profile)))
     print("Helm values:\n" + to_yaml(helm_values(chosen, profile), 2))
+    close = close_calls(ranking)
+    if close:
+        print(f"note: {', '.join(close)} within {CLOSE_CALL:.0%} of the recommended one's goodput: about the planner's "
+              "own error against real runs (BENCHMARKS.md), so measure the close ones with "
+              "`pdserve bench sweep` before choosing")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
@@ -194,7 +199,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           description="Simulates colocated serving (default and tuned step "
                           "budgets), each P:D split and conditional disaggregation on one "
                           "seeded `pdserve bench` schedule, predicts TTFT/TPOT/ITL and goodput, "
-                          "ranks them and prints the best as `pdserve up` flags and Helm values.")
+                          "ranks them and prints the best as `pdserve up` flags and Helm values. "
+                          "Against real runs on a 2-core CPU host its median error was about "
+                          "19%, mostly optimistic (BENCHMARKS.md): treat configurations within "
+                          "20% of each other as ties, and measure them.")
     pred.add_argument("--profile", default=DEFAULT_PROFILE, help="profile JSON to use")
     pred.add_argument("--units", type=int, default=0,
                       help="cores (or GPUs) to plan for (default: the profiled host's)")

@@ -145,6 +145,21 @@ def rank(predictions: list[Prediction]) -> list[tuple[str, float, list[float]]]:
     return [(n, sum(table[n]), table[n]) for n in order]
 
 
+# The planner's median error against real runs (BENCHMARKS.md, "Planner"): about 19% on a
+# 2-core CPU host, mostly optimistic. Configurations closer than this to the first choice
+# cannot be told apart by the simulation.
+CLOSE_CALL = 0.2
+
+
+def close_calls(ranking: list[tuple[str, float, list[float]]],
+                margin: float = CLOSE_CALL) -> list[str]:
+    """The configurations after the first whose total goodput is within ``margin`` of it."""
+    if not ranking or ranking[0][1] <= 0:
+        return []
+    best = ranking[0][1]
+    return [name for name, total, _ in ranking[1:] if total >= (1 - margin) * best]
+
+
 def best_per_rate(predictions: list[Prediction]) -> dict[float, str]:
     """The configuration with the most goodput at each rate (ties: listed first)."""
     best: dict[float, Prediction] = {}

@@ -11,7 +11,7 @@ from services.bench.workload import LengthDist, WorkloadConfig
 from services.plan.configs import configurations
 from services.plan.costmodel import Profile, StepCost, Transport
 from services.plan.fleet import Fleet, FleetConfig, PoolSpec, SimRequest
-from services.plan.predict import predict_all, rank, schedule, simulate
+from services.plan.predict import close_calls, predict_all, rank, schedule, simulate
 
 TWO = StepCost(0.03, 0.0009, 0.0015, 0.0005, 0.01, 0.01)
 ONE = StepCost(0.045, 0.0018, 0.0025, 0.001, 0.02, 0.01)
@@ -119,3 +119,11 @@ def test_ten_configurations_at_four_rates_are_fast() -> None:
     assert took < 30  # the goal; a few seconds in practice
     names = [name for name, _, _ in rank(preds)]
     assert sorted(names) == sorted(c.name for c in cfgs)
+
+
+def test_close_calls_are_the_configurations_within_the_planners_error_of_the_first() -> None:
+    ranking = [("a", 1.0, [1.0]), ("b", 0.85, [0.85]), ("c", 0.79, [0.79])]
+    assert close_calls(ranking) == ["b"]
+    assert close_calls(ranking, margin=0.25) == ["b", "c"]
+    assert close_calls([("a", 0.0, [0.0]), ("b", 0.0, [0.0])]) == []  # nothing serves: no call
+    assert close_calls([]) == []
