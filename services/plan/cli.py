@@ -123,9 +123,9 @@ def _predict(args: argparse.Namespace) -> int:
     print("Helm values:\n" + to_yaml(helm_values(chosen, profile), 2))
     close = close_calls(ranking)
     if close:
-        print(f"note: {', '.join(close)} within {CLOSE_CALL:.0%} of the recommended one's goodput: about the planner's "
-              "own error against real runs (BENCHMARKS.md), so measure the close ones with "
-              "`pdserve bench sweep` before choosing")
+        print(f"note: {', '.join(close)} within {CLOSE_CALL:.0%} of the recommended one's "
+              "goodput: about the planner's own error against real runs (BENCHMARKS.md), so "
+              "measure the close ones with `pdserve bench sweep` before choosing")
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps({
