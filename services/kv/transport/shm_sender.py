@@ -206,7 +206,7 @@ class ShmKVSender(SenderCore[ShmLink]):
         while True:
             if written and (link.items.empty() or len(written) * step >= ANNOUNCE_BYTES
                             or not link.batches):
-                self._announce(out, link, written)
+                self._announce(link, spec.transfer_id, written)
                 written = []
             out.phase = "waiting for layers"
             try:
@@ -220,7 +220,7 @@ class ShmKVSender(SenderCore[ShmLink]):
                 return
             out.last_progress = time.monotonic()
             if item == END_ITEM:
-                self._announce(out, link, written)
+                self._announce(link, spec.transfer_id, written)
                 out.phase = "waiting for the receiver's ack"
                 body = {"chunks": spec.num_layers, "nbytes": spec.total_nbytes}
                 link.control.put(frames.encode_control(FrameKind.END, body))
@@ -245,15 +245,14 @@ class ShmKVSender(SenderCore[ShmLink]):
             written.append([item.layer, step, value])
 
     @staticmethod
-    def _announce(out: Outgoing[ShmLink], link: ShmLink, written: list[list[int]]) -> None:
+    def _announce(link: ShmLink, transfer_id: str, written: list[list[int]]) -> None:
         """LAYER frames for the layers in `written`: one, or one per layer for a receiver
         that did not say it takes several per frame (older than this protocol)."""
-        assert out.link is link
         if link.batches and written:
             link.control.put(frames.encode_control(FrameKind.LAYER, {"layers": written}))
             return
         for layer, nbytes, value in written:
-            body = {"transfer_id": out.spec.transfer_id, "layer": layer, "nbytes": nbytes,
+            body = {"transfer_id": transfer_id, "layer": layer, "nbytes": nbytes,
                     "checksum": value}
             link.control.put(frames.encode_control(FrameKind.LAYER, body))
 
