@@ -20,6 +20,7 @@ from services.kv.transport import frames, shm_segments
 from services.kv.transport.base import KVReceiver
 from services.kv.transport.frames import ControlFrame, DataFrame, FrameKind
 from services.kv.transport.grpc_channel import SERVICE, bind, server_options
+from services.kv.transport.heap import keep_frames_on_heap
 from services.kv.transport.shm_receiver import ShmInbound
 from services.kv.transport.shm_segments import SegmentPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransportConfig
@@ -37,6 +38,7 @@ class GrpcKVReceiver(KVReceiver):
         self, identity: PeerIdentity, config: TransportConfig, host: str, port: int
     ) -> None:
         self.identity, self.config = identity, config
+        keep_frames_on_heap()
         self.table = StagingTable(identity, config)
         # Same-host senders write into shared segments (the Shm method); off by config,
         # or where /dev/shm is missing, and then such senders fall back to the network.

@@ -25,6 +25,7 @@ from services.kv.transport.grpc_channel import (
     open_channel,
     rpc_error_text,
 )
+from services.kv.transport.heap import keep_frames_on_heap
 from services.kv.transport.sender_core import (
     END_ITEM,
     STOP_ITEM,
@@ -53,6 +54,7 @@ class GrpcKVSender(SenderCore[PushLink]):
 
     def __init__(self, identity: PeerIdentity, config: TransportConfig) -> None:
         super().__init__(identity, config)
+        keep_frames_on_heap()
         self._channels: dict[str, tuple[grpc.Channel, PushCall]] = {}
         self._channels_lock = threading.Lock()
 
