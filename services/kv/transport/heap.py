@@ -5,7 +5,9 @@ serves an allocation that size with a fresh `mmap` until a free raises its thres
 and gives the top of the heap back to the kernel whenever more than twice that is free:
 each transfer then maps, faults in (zeroing every page) and unmaps its whole payload
 again. Measured on the 46 MB benchmark transfer: about a quarter of the receiver's CPU,
-and 1.3-1.4x the throughput once fixed thresholds keep the buffers in the heap.
+and 1.2-1.5x the throughput once fixed thresholds keep the buffers in the heap.
+Under tcmalloc, which pdserve preloads into CPU engines, this never happens and the call
+changes nothing; it is for processes on glibc's malloc (GPU engines, tools, tests).
 """
 
 from __future__ import annotations
