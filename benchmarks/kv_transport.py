@@ -11,7 +11,9 @@ over at once (no model compute to overlap with), so this is the transport alone.
 
 "shm" is the same-host transport (the receiver is the same kind of gRPC receiver, which
 serves shm on its address). Each checksum algorithm is also timed alone over the payload
-(1 thread), and `--checksum` picks what the transports' senders compute.
+(1 thread), and `--checksum` picks what the transports' senders compute. Both processes
+run with tcmalloc in front where it is installed, as pdserve's CPU engines (and so their
+KV receivers) do; `--allocator system` measures glibc's malloc.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ try:
 except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.engine.config import preload_allocator
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
 from services.kv.transport import (
     TransferSpec,
@@ -231,8 +234,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tls", action="store_true",
                    help="also measure grpc and torch under internal mTLS (a CA made for the "
                    "run), each right after its plaintext run: the '+tls' rows")
+    p.add_argument("--allocator", default="auto", choices=["auto", "tcmalloc", "system"],
+                   help="malloc of both processes, as `pdserve --allocator` sets it for the "
+                   "engines (whose worker process runs the KV receiver): auto = tcmalloc where "
+                   "installed (default auto)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
+    preload = os.environ.get("LD_PRELOAD", "")
+    wanted = preload if args.allocator == "system" else preload_allocator(args.allocator, preload)
+    if wanted != preload:  # start again with the allocator in front, as the engines do
+        os.environ["LD_PRELOAD"] = wanted
+        rest = sys.argv[1:] if argv is None else argv
+        os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *rest])
+    allocator = "tcmalloc" if "tcmalloc" in wanted else "glibc malloc"
 
     torch.set_num_threads(1)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -258,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     gb_moved = nbytes / 1e9
     print(
         f"payload {nbytes / 1e6:.1f} MB: {args.layers} layers x {shape} {args.dtype}; "
-        f"median of {args.rounds} rounds; load average {os.getloadavg()[0]:.1f} "
+        f"median of {args.rounds} rounds; {allocator}; load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores"
     )
     print(
@@ -298,6 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             "warmup": args.warmup,
             "chunk_bytes": args.chunk_bytes,
             "checksum": args.checksum,
+            "allocator": allocator,
             "torch": torch.__version__,
         }
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
