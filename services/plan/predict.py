@@ -145,9 +145,10 @@ def rank(predictions: list[Prediction]) -> list[tuple[str, float, list[float]]]:
     return [(n, sum(table[n]), table[n]) for n in order]
 
 
-# The planner's median error against real runs (BENCHMARKS.md, "Planner"): about 19% on a
-# 2-core CPU host, mostly optimistic. Configurations closer than this to the first choice
-# cannot be told apart by the simulation.
+# The planner's median error against real runs (BENCHMARKS.md, "Planner"): 17-19% on a
+# 2-core CPU host, mostly optimistic (5.5% with a profile taken right after the run: the
+# host moves that much within minutes). Configurations closer than this to the first
+# choice cannot be told apart by the simulation.
 CLOSE_CALL = 0.2
 
 
