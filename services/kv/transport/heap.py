@@ -22,7 +22,7 @@ log = logging.getLogger(__name__)
 M_TRIM_THRESHOLD = -1  # mallopt parameters, from glibc's malloc.h
 M_MMAP_THRESHOLD = -3
 # Above the largest gRPC message (8 MiB by default): frames come from the heap, while
-# tensors of whole layers, which are larger, still get their own mappings.
+# anything larger (big tensors) still gets a mapping of its own, returned when freed.
 MMAP_THRESHOLD = 16 << 20
 # Free heap kept rather than given back: a few transfers' worth of frames in flight.
 TRIM_THRESHOLD = 128 << 20
