@@ -241,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
     preload = os.environ.get("LD_PRELOAD", "")
-    wanted = preload if args.allocator == "system" else preload_allocator(args.allocator, preload)
+    wanted = preload_allocator(args.allocator, preload)
     if wanted != preload:  # start again with the allocator in front, as the engines do
         os.environ["LD_PRELOAD"] = wanted
         rest = sys.argv[1:] if argv is None else argv

@@ -21,7 +21,6 @@ import importlib.metadata
 import logging
 import platform
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -138,30 +137,23 @@ class _Sampler:
                  prompt=long_prompt)
 
 
-def _decode_connector(cfg: EngineConfig, folder: str) -> Any:
+def _decode_connector(cfg: EngineConfig) -> Any:
     """vLLM's KV transfer config of a decode worker with this engine (its receiver on
-    loopback, port chosen by the OS)."""
+    loopback, on a port the OS picks and nobody needs to know)."""
     from services.worker.config import WorkerConfig
     from services.worker.worker import WorkerIdentity, kv_transfer_config
 
     return kv_transfer_config(WorkerIdentity.new("decode", "profile"),
                               WorkerConfig.model_validate({}),
-                              port_file=str(Path(folder) / "port"),
                               kv_cache_bytes=int(cfg.kv_cache_gib * (1 << 30)))
 
 
 async def _measure_engine(cfg: EngineConfig, label: str, units: int, grid: Grid, tick: Tick,
-                          chunked: bool, connector: bool = False
+                          chunked: bool, connector: bool
                           ) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     from services.engine.engine import Engine
 
-    with tempfile.TemporaryDirectory(prefix="pdserve-profile-") as folder:
-        engine = Engine(cfg, _decode_connector(cfg, folder) if connector else None)
-        return await _measure_started(engine, label, units, grid, tick, chunked)
-
-
-async def _measure_started(engine: Any, label: str, units: int, grid: Grid, tick: Tick,
-                           chunked: bool) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    engine = Engine(cfg, _decode_connector(cfg) if connector else None)
     t0 = time.perf_counter()
     engine.start()
     try:
@@ -271,16 +263,16 @@ def run_profile(base: EngineConfig, grid: Grid, progress: bool = True) -> Profil
     cores = available_cores()
     base = replace_engine(base, enable_prefix_caching=False)
     all_cores = ",".join(map(str, cores))
-    plan = [("all", len(cores), replace_engine(base, cpu_cores=all_cores), False, False)]
+    plan = [("all", len(cores), replace_engine(base, cpu_cores=all_cores), False)]
     if grid.chunked:
         plan.append(("chunked", len(cores), replace_engine(
-            base, cpu_cores=all_cores, max_num_batched_tokens=grid.chunk_budget), True, False))
+            base, cpu_cores=all_cores, max_num_batched_tokens=grid.chunk_budget), True))
     if grid.one_core and len(cores) > 1 and cpu_only():
         # The one-core engine stands for a disaggregated worker, so it runs with the decode
         # worker's KV connector: its per-step and per-layer hooks cost a few percent of a
         # one-core decode step (+6% median over 16 paired measurements, inside this machine's
         # run-to-run spread), which a bare engine would leave out.
-        plan.append(("one", 1, replace_engine(base, cpu_cores=str(cores[0])), False, True))
+        plan.append(("one", 1, replace_engine(base, cpu_cores=str(cores[0])), False))
     bar = tqdm(total=grid.measurements() + len(plan), desc="profiling", unit="step",
                disable=not progress)
 
@@ -291,10 +283,10 @@ def run_profile(base: EngineConfig, grid: Grid, progress: bool = True) -> Profil
     samples: list[dict[str, Any]] = []
     facts: dict[str, Any] = {}
     t0 = time.perf_counter()
-    for label, units, cfg, chunked, connector in plan:
+    for label, units, cfg, chunked in plan:
         bar.set_postfix_str(f"starting the {label} engine")
         got, f = asyncio.run(_measure_engine(cfg, label, units, grid, tick, chunked,
-                                             connector))
+                                             connector=label == "one"))
         bar.update(1)
         samples += got
         if not chunked:

@@ -119,13 +119,12 @@ def test_a_capped_budget_reaches_the_flags_and_the_chart() -> None:
     EngineConfig(**engine)  # the chart's engine block takes EngineConfig's own names
 
 
-def test_the_one_core_profile_engine_runs_with_a_decode_workers_connector(tmp_path: Path) -> None:
+def test_the_one_core_profile_engine_runs_with_a_decode_workers_connector() -> None:
     from services.engine.config import EngineConfig
     from services.plan.profile import _decode_connector
 
     cfg = EngineConfig.model_validate({"kv_cache_gib": 1})
-    kv = _decode_connector(cfg, str(tmp_path))
+    kv = _decode_connector(cfg)
     assert kv.kv_connector == "PdserveConnector" and kv.kv_role == "kv_consumer"
     extra = kv.kv_connector_extra_config
-    assert extra["port_file"] == str(tmp_path / "port") and extra["kv_host"] == "127.0.0.1"
-    assert extra["staging_max_bytes"] == 1 << 30
+    assert extra["kv_host"] == "127.0.0.1" and extra["staging_max_bytes"] == 1 << 30

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import logging
-import threading
 
 log = logging.getLogger(__name__)
 
@@ -27,25 +27,17 @@ MMAP_THRESHOLD = 16 << 20
 # Free heap kept rather than given back: a few transfers' worth of frames in flight.
 TRIM_THRESHOLD = 128 << 20
 
-_done = False
-_lock = threading.Lock()
 
-
+@functools.cache  # once per process: every gRPC sender and receiver calls it
 def keep_frames_on_heap() -> bool:
-    """Set this process's malloc thresholds once; False where this libc has no mallopt."""
-    global _done
-    with _lock:
-        if _done:
-            return True
-        name = ctypes.util.find_library("c")
-        try:
-            mallopt = ctypes.CDLL(name).mallopt if name else None
-        except (OSError, AttributeError):
-            mallopt = None
-        if mallopt is None:
-            log.debug("no mallopt in this libc: malloc thresholds left as they are")
-            return False
-        ok = mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) and mallopt(M_TRIM_THRESHOLD,
-                                                                  TRIM_THRESHOLD)
-        _done = bool(ok)
-        return _done
+    """Set this process's malloc thresholds; False where this libc has no mallopt."""
+    name = ctypes.util.find_library("c")
+    try:
+        mallopt = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        mallopt = None
+    if mallopt is None:
+        log.debug("no mallopt in this libc: malloc thresholds left as they are")
+        return False
+    return bool(mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+                and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD))
