@@ -19,6 +19,9 @@ that is missing takes the default shown):
   ship to a decode worker whose `same_host` param is set through shm (else over the
   network, counted in `pdserve_kv_transport_fallbacks_total{reason}`); on a decode
   worker: accept shm transfers on the receiver's address.
+* `cuda_ipc` (bool, True): where both workers of a same-host pair run on GPUs, shm
+  transfers go device to device over CUDA IPC (the decode worker lends its GPU memory;
+  no host copy) instead of through host segments. Off: host segments.
 * `header_timeout_s` (float, 10.0): a KV stream whose first frame has not arrived by
   then is cancelled, so idle connections cannot hold the receiver's handler threads.
 * `max_streams` (int, 32): inbound streams (transfers and torch pairs) the receiver
@@ -81,6 +84,7 @@ class ConnectorSettings:
     checksum: str = "crc32c"  # both: the algorithm this worker's sender computes
     max_streams: int = 32  # consumer: inbound streams served at once
     shm: bool = True  # both: same-host transfers through shared memory
+    cuda_ipc: bool = True  # both: same-host GPU pairs go device to device (needs shm)
     header_timeout_s: float = 10.0  # consumer: longest wait for a stream's first frame
     staging_max_bytes: int = 0  # consumer: most bytes staged (0 = the transport's default)
     tls_ca_file: str = ""  # both: internal mTLS of the KV channels (all three, or none)
@@ -101,6 +105,16 @@ def publish_port(path: str, address: str) -> None:
     with open(tmp, "w") as f:
         f.write(address.rsplit(":", 1)[1])
     os.replace(tmp, path)  # readers never see a half-written file
+
+
+def _ipc_device(vllm_config: Any) -> str:
+    """This worker's GPU as "cuda:N" where its engine runs on one, else "" (the device is
+    set before vLLM builds the connector in a worker)."""
+    import torch
+
+    if vllm_config.device_config.device_type != "cuda" or not torch.cuda.is_available():
+        return ""
+    return f"cuda:{torch.cuda.current_device()}"
 
 
 class PdserveConnector(KVConnectorBase_V1):
@@ -128,6 +142,7 @@ class PdserveConnector(KVConnectorBase_V1):
             checksum=s.checksum,
             max_streams=int(s.max_streams),
             shm=bool(s.shm),
+            ipc_device=_ipc_device(vllm_config) if s.shm and s.cuda_ipc else "",
             header_timeout_s=float(s.header_timeout_s),
             tls_ca_file=s.tls_ca_file, tls_cert_file=s.tls_cert_file,
             tls_key_file=s.tls_key_file,

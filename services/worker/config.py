@@ -52,6 +52,9 @@ class WorkerConfig(BaseSettings):
         "sender used)")
     kv_shm: bool = Field(True, description="KV transfers between workers on one host go "
                          "through shared memory (off: always the network transport)")
+    kv_cuda_ipc: bool = Field(True, description="with kv_shm, workers on one host that both "
+                              "run on GPUs move KV device to device over CUDA IPC (off: "
+                              "through host shared memory)")
     kv_staging_gib: float = Field(
         0.0, ge=0, description="decode: most KV bytes staged for requests not yet "
         "admitted; beyond, new transfers are refused (0 = the size of the CPU KV cache; "

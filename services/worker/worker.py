@@ -67,6 +67,7 @@ def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig, port_file
         "lease_s": config.kv_lease_s, "load_timeout_s": config.kv_load_timeout_s,
         "allow_faults": config.allow_fault_injection,
         "checksum": config.kv_checksum, "shm": config.kv_shm,
+        "cuda_ipc": config.kv_cuda_ipc,
         "staging_max_bytes": staging,
         "header_timeout_s": config.kv_header_timeout_s, "max_streams": config.kv_max_streams,
         **kv_tls_extra(),

@@ -29,7 +29,9 @@ from services.kv.transport import (
     TransferSpec,
     TransportConfig,
     checksum,
+    cuda_ipc,
     frames,
+    grpc_receiver,
     make_receiver,
     make_sender,
     make_shm_sender,
@@ -40,6 +42,7 @@ from services.kv.transport.frames import FrameKind
 from services.kv.transport.grpc_channel import PAIR, PUSH, SHM, channel_options
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
 from services.kv.transport.shm_receiver import ShmInbound
+from services.kv.transport.slab_pool import SlabPool
 
 pytestmark = pytest.mark.timeout(240)  # spawned senders import torch: slow on a busy host
 
@@ -1018,6 +1021,72 @@ def test_segments_of_a_dead_receiver_are_swept() -> None:
     stale = shm_segments.SHM_DIR / f"{shm_segments.PREFIX}{proc.pid}-0"
     stale.write_bytes(b"\0" * 64)
     assert shm_segments.sweep_stale() >= 1 and not stale.exists()
+
+
+# -- CUDA IPC offers on a host without a GPU (the device path: test_kv_cuda_ipc.py) -----------
+
+GPU_CFG = dataclasses.replace(CFG, ipc_device="cuda:0")  # a sender whose engine is on a GPU
+
+
+def test_a_cuda_ipc_offer_gets_a_host_segment_from_a_receiver_without_a_gpu(
+    receivers: dict[str, Any],
+) -> None:
+    rx, tx = receivers["shm"], new_sender("shm", TX_ID, GPU_CFG)
+    try:
+        layers = kv_layers(48)
+        send_all(tx, rx.address, "ipc-offer", layers)
+        assert wait_outcome(tx, "ipc-offer").ok and tx.poll_fallbacks() == []
+        got = rx.take("ipc-offer")
+        assert got is not None and same_bits(got.layers, layers)
+        assert got.storage is not None and rx.segments.owns(got.storage)
+        rx.release(got)
+    finally:
+        tx.close()
+        tx.fallback.close()
+
+
+class FakeCudaLender:
+    """FAKE (protocol test only): lends host memory but describes it with the CUDA IPC
+    fields given, as a receiver of another version or a hostile one might."""
+
+    def __init__(self, fields: Any) -> None:
+        self.pool, self.fields = SlabPool(torch.device("cpu"), 1 << 20), fields
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        return self.pool.get(nbytes)
+
+    def put(self, slab: torch.Tensor) -> None:
+        self.pool.put(slab)
+
+    def retire(self, slab: torch.Tensor) -> None:
+        pass
+
+    def describe(self, slab: torch.Tensor) -> dict[str, Any]:
+        return {"cuda_ipc": self.fields, "checksum": cuda_ipc.DEVICE_CHECKSUM}
+
+
+@pytest.mark.parametrize(("fields", "detail"), [
+    ({"handle": "not base64!"}, "cuda_ipc.handle is not valid base64"),
+    ("a string", "cuda_ipc must be an object"),
+], ids=["bad-handle", "not-an-object"])
+def test_a_slab_that_cannot_be_mapped_moves_the_transfer_to_the_network(
+    monkeypatch: pytest.MonkeyPatch, fields: Any, detail: str
+) -> None:
+    monkeypatch.setattr(grpc_receiver, "DeviceSlabs", lambda device, nbytes: FakeCudaLender(fields))
+    rx = make_receiver("grpc", RX_ID, GPU_CFG, "127.0.0.1", 0)
+    tx = new_sender("shm", TX_ID, GPU_CFG)
+    try:
+        layers = kv_layers(49)
+        send_all(tx, rx.address, "ipc-bad", layers)
+        assert wait_outcome(tx.fallback, "ipc-bad").ok  # the network sender delivered it
+        [(peer, reason, why)] = tx.poll_fallbacks()
+        assert (peer, reason) == (rx.address, "shm_setup_failed") and detail in why, why
+        got = rx.take("ipc-bad")
+        assert got is not None and same_bits(got.layers, layers)
+    finally:
+        tx.close()
+        tx.fallback.close()
+        rx.close()
 
 
 # -- receiver hardening ------------------------------------------------------------------------

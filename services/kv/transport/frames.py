@@ -201,8 +201,13 @@ def spec_from_dict(d: dict[str, Any]) -> TransferSpec:
         raise FrameError(f"bad transfer spec: {e}") from None
 
 
-def encode_header(sender: PeerIdentity, spec: TransferSpec, algorithm: str) -> bytes:
-    body = {"sender": sender.to_dict(), "spec": spec_to_dict(spec), "checksum": algorithm}
+def encode_header(
+    sender: PeerIdentity, spec: TransferSpec, algorithm: str, **offers: Any
+) -> bytes:
+    """A transfer's HEADER; `offers` are transport-specific keys a receiver may ignore
+    (the shm sender's `cuda_ipc`)."""
+    body = {"sender": sender.to_dict(), "spec": spec_to_dict(spec), "checksum": algorithm,
+            **offers}
     return encode_control(FrameKind.HEADER, body)
 
 

@@ -14,10 +14,12 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
+import torch
 
 from services.kv.fingerprint import PeerIdentity
 from services.kv.transport import frames, shm_segments
 from services.kv.transport.base import KVReceiver
+from services.kv.transport.cuda_ipc import DeviceSlabs
 from services.kv.transport.frames import ControlFrame, DataFrame, FrameKind
 from services.kv.transport.grpc_channel import SERVICE, bind, server_options
 from services.kv.transport.heap import keep_frames_on_heap
@@ -43,8 +45,12 @@ class GrpcKVReceiver(KVReceiver):
         # Same-host senders write into shared segments (the Shm method); off by config,
         # or where /dev/shm is missing, and then such senders fall back to the network.
         self.segments: SegmentPool | None = None
+        self.device_slabs: DeviceSlabs | None = None  # same-host GPU senders (CUDA IPC)
         if config.shm and shm_segments.available():
             self.segments = SegmentPool(config.pool_bytes)
+            if config.ipc_device:
+                self.device_slabs = DeviceSlabs(torch.device(config.ipc_device),
+                                                config.pool_bytes)
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=config.max_streams, thread_name_prefix="kv-recv"),
             handlers=[grpc.method_handlers_generic_handler(SERVICE, self._methods())],
@@ -61,7 +67,7 @@ class GrpcKVReceiver(KVReceiver):
     def _methods(self) -> dict[str, grpc.RpcMethodHandler]:
         methods = {"Push": grpc.stream_unary_rpc_method_handler(self._push)}
         if self.segments is not None:
-            shm = ShmInbound(self.table, self.segments, self.first_frame)
+            shm = ShmInbound(self.table, self.segments, self.first_frame, self.device_slabs)
             methods["Shm"] = grpc.stream_stream_rpc_method_handler(shm.handle)
         return methods
 

@@ -10,6 +10,11 @@ checksum} of senders that predate `batches`), then END -> ACK. The receiver veri
 each layer's checksum over the segment (native code, GIL released) and never copies the
 payload: the connector's copy into the paged cache is the one copy out. Any failure ends
 the stream with a status.
+
+A receiver on a GPU (`DeviceSlabs`, see `cuda_ipc`) lends a slab of device memory
+instead, to a sender whose HEADER says `cuda_ipc: true`: SEGMENT then carries the slab's
+CUDA IPC handle {cuda_ipc: {...}, checksum: "sum64", nbytes, batches}, and each layer is
+verified on the GPU with `cuda_ipc.device_digest`. Other senders get a host segment.
 """
 
 from __future__ import annotations
@@ -18,8 +23,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
+import torch
 
-from services.kv.transport import checksum, frames
+from services.kv.transport import checksum, cuda_ipc, frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.shm_segments import SegmentPool
 from services.kv.transport.staged import Staged, TransferFault
@@ -37,8 +43,10 @@ class ShmInbound:
         table: StagingTable,
         segments: SegmentPool,
         first_frame: Callable[[Iterator[bytes], grpc.ServicerContext], bytes | None],
+        device_slabs: cuda_ipc.DeviceSlabs | None = None,
     ) -> None:
         self.table, self.segments, self.first_frame = table, segments, first_frame
+        self.device_slabs = device_slabs
 
     def handle(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         st: Staged | None = None
@@ -48,9 +56,12 @@ class ShmInbound:
             if not isinstance(frame, ControlFrame) or frame.kind is not FrameKind.HEADER:
                 raise FrameError("a shm stream must start with HEADER")
             sender, spec, algorithm = frames.decode_header(frame.body)
-            st = self.table.open(sender, spec, algorithm, context.cancel, self.segments)
+            lender: SegmentPool | cuda_ipc.DeviceSlabs = self.segments
+            if self.device_slabs is not None and frame.body.get("cuda_ipc") is True:
+                lender = self.device_slabs
+            st = self.table.open(sender, spec, algorithm, context.cancel, lender)
             assert st.slab is not None
-            body = {"name": self.segments.name_of(st.slab), "nbytes": spec.total_nbytes,
+            body = {**lender.describe(st.slab), "nbytes": spec.total_nbytes,
                     "batches": self.batches}
             yield frames.encode_control(FrameKind.SEGMENT, body)
             for raw in requests:
@@ -92,6 +103,13 @@ class ShmInbound:
 
     def _verify(self, st: Staged, layer: int, nbytes: int, value: int) -> None:
         buf = self.table.layer_buffer(st, layer, nbytes)
-        if checksum.digest(st.checksum, frames.byte_view(buf)) != value:
+        if _digest(st.checksum, buf) != value:
             raise TransferFault(f"checksum mismatch in layer {layer}", data_loss=True)
         self.table.layer_received(st, layer)
+
+
+def _digest(algorithm: str, buf: torch.Tensor) -> int:
+    """The header's algorithm over a host segment; the GPU's digest over a device slab."""
+    if buf.is_cuda:
+        return cuda_ipc.device_digest(buf)
+    return checksum.digest(algorithm, frames.byte_view(buf))

@@ -110,6 +110,10 @@ class SegmentPool:
         with self._lock:
             return self._names[seg.data_ptr()][0]
 
+    def describe(self, seg: torch.Tensor) -> dict[str, str]:
+        """How a sender finds `seg`: the SEGMENT answer's fields."""
+        return {"name": self.name_of(seg)}
+
     def put(self, seg: torch.Tensor) -> None:
         """Keep a segment whose transfer is over for reuse (or unlink beyond the cap)."""
         with self._lock:

@@ -12,17 +12,21 @@ A transfer that cannot start over shared memory (the receiver does not serve Shm
 segment cannot be mapped: another container's /dev/shm, another user) is handed to the
 `fallback` network sender before any layer was written, so it is not lost; the reason is
 reported once per transfer by `poll_fallbacks()`. CUDA layers are copied to the host
-segment (one device-to-host copy); a device-to-device path (CUDA IPC) is not built.
+segment (one device-to-host copy), unless both workers run on GPUs (`ipc_device` set on
+both): the sender then offers `cuda_ipc` in its HEADER, the receiver lends a slab of its
+GPU's memory, and layers go device to device (see `cuda_ipc`).
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
+import functools
 import logging
 import queue
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,7 +34,7 @@ import grpc
 import torch
 
 from services.kv.fingerprint import PeerIdentity
-from services.kv.transport import checksum, frames, shm_segments
+from services.kv.transport import checksum, cuda_ipc, frames, shm_segments
 from services.kv.transport.base import KVSender
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.grpc_channel import SHM, host_tensor, open_channel, rpc_error_text
@@ -118,13 +122,13 @@ class ShmKVSender(SenderCore[ShmLink]):
                 self._channels[peer] = open_channel(peer, self.config)
             return self._channels[peer]
 
-    def _segment(self, name: str, nbytes: int) -> torch.Tensor:
+    def _segment(self, name: str, nbytes: int, open_it: Callable[[], torch.Tensor]) -> torch.Tensor:
         with self._mine_lock:
             seg = self._maps.get(name)
             if seg is not None:
                 self._maps.move_to_end(name)
         if seg is None or seg.numel() < nbytes:
-            seg = shm_segments.map_segment(name, nbytes)
+            seg = open_it()
             with self._mine_lock:
                 self._maps[name] = seg
                 while len(self._maps) > MAX_MAPPINGS:
@@ -180,7 +184,9 @@ class ShmKVSender(SenderCore[ShmLink]):
         link.call = self._channel(out.peer).stream_stream(SHM)(requests)
         out.first_send_ts = out.last_progress = time.monotonic()
         out.phase = "waiting for a segment"
-        link.control.put(frames.encode_header(self.identity, out.spec, self.config.checksum))
+        offers = {"cuda_ipc": True} if self.config.ipc_device else {}
+        link.control.put(
+            frames.encode_header(self.identity, out.spec, self.config.checksum, **offers))
         try:
             reply = self._next_reply(out)
         except grpc.RpcError as e:
@@ -189,15 +195,30 @@ class ShmKVSender(SenderCore[ShmLink]):
             raise  # a refusal (layout, epoch, staging) is the transfer's outcome
         if reply.kind is not FrameKind.SEGMENT:
             raise FrameError(f"expected SEGMENT, got {reply.kind.name}")
-        name = frames.field(reply.body, "name", str)
         nbytes = frames.field(reply.body, "nbytes", int)
         if nbytes != out.spec.total_nbytes:
             raise FrameError(f"segment of {nbytes} bytes for {out.spec.total_nbytes}")
-        link.segment, link.batches = name, reply.body.get("batches") is True
+        link.batches = reply.body.get("batches") is True
+        open_it: Callable[[], torch.Tensor]
+        if self.config.ipc_device and "cuda_ipc" in reply.body:  # a slab of its GPU
+            if reply.body.get("checksum") != cuda_ipc.DEVICE_CHECKSUM:
+                raise FrameError("a cuda_ipc SEGMENT must name the sum64 checksum")
+            fields = reply.body["cuda_ipc"]
+            name = cuda_ipc.mapping_key(fields)
+            device = torch.device(self.config.ipc_device)
+            open_it = functools.partial(cuda_ipc.open_slab, fields, nbytes, device)
+        else:
+            name = frames.field(reply.body, "name", str)
+            open_it = functools.partial(shm_segments.map_segment, name, nbytes)
+        link.segment = name
         try:
-            return self._segment(name, nbytes)
-        except (OSError, ValueError) as e:
-            link.call.cancel()
+            return self._segment(name, nbytes, open_it)
+        except (OSError, ValueError, RuntimeError) as e:
+            # End the stream and wait for the receiver to fail the transfer: the network
+            # sender reuses its id, which the receiver refuses while it is still open.
+            link.control.put(None)
+            with contextlib.suppress(grpc.RpcError, StopIteration):
+                self._next_raw(out)
             raise _Fallback(REASON_SETUP, f"cannot map segment {name}: {e}") from None
 
     def _ship(self, out: Outgoing[ShmLink], link: ShmLink, seg: torch.Tensor) -> None:
@@ -233,13 +254,18 @@ class ShmKVSender(SenderCore[ShmLink]):
                 continue
             try:
                 out.phase = f"writing layer {item.layer}"
-                flat = host_tensor(item.tensor, item.event).reshape(-1).view(torch.uint8)
                 region = seg[item.layer * step : (item.layer + 1) * step]
-                region.copy_(flat)  # the one copy in
-                value = checksum.digest(self.config.checksum, frames.byte_view(region))
+                if seg.is_cuda:
+                    value = _write_device(region, item)
+                else:
+                    flat = host_tensor(item.tensor, item.event).reshape(-1).view(torch.uint8)
+                    region.copy_(flat)  # the one copy in
+                    value = checksum.digest(self.config.checksum, frames.byte_view(region))
                 if out.corrupt:  # fault injection: damage the payload after its checksum
                     out.corrupt = False
                     region[0] ^= 0xFF
+                    if region.is_cuda:  # landed before the layer is announced
+                        torch.cuda.synchronize(region.device)
             finally:
                 self.release_item(item)
             written.append([item.layer, step, value])
@@ -280,3 +306,17 @@ class ShmKVSender(SenderCore[ShmLink]):
                 self.release_item(item)
             self.forget(out)  # the fallback reports this transfer's outcome
             return
+
+
+def _write_device(region: torch.Tensor, item: LayerItem) -> int:
+    """Copy a layer into a lent device slab on this thread's stream (after the producer's
+    event) and return its device digest, computed over the source; the digest's read
+    back synchronizes the stream, so the copy has landed before the layer is announced."""
+    stream = torch.cuda.current_stream(region.device)
+    if item.event is not None:
+        stream.wait_event(item.event)
+    src = item.tensor.reshape(-1).view(torch.uint8)
+    region.copy_(src, non_blocking=True)  # device to device (peer access), or host to device
+    value = cuda_ipc.device_digest(item.tensor)
+    stream.synchronize()
+    return value

@@ -100,6 +100,9 @@ class TransportConfig:
     pool_bytes: int = 1 << 30  # staging memory kept for reuse: fresh pages cost page faults
     checksum: str = DEFAULT_CHECKSUM  # what this sender computes (see checksum.py)
     shm: bool = True  # receiver: accept same-host transfers through shared memory
+    # This worker's GPU ("cuda:N"), set where its engine runs on one: same-host transfers
+    # between two such workers go device to device over CUDA IPC (see cuda_ipc.py).
+    ipc_device: str = ""
     header_timeout_s: float = 10.0  # receiver: a stream without its first frame by then ends
     # Internal mTLS (PEM files; all three or none): the receiver then requires a client
     # certificate from this CA, and senders check the receiver's for `pdserve.internal`.
