@@ -1045,6 +1045,28 @@ def test_a_cuda_ipc_offer_gets_a_host_segment_from_a_receiver_without_a_gpu(
         tx.fallback.close()
 
 
+def test_an_offer_the_device_has_no_room_for_gets_a_host_segment(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Device staging bounded below one transfer: the bookkeeping refuses before any
+    # device memory is touched, so CPU memory can stand in for the GPU's.
+    monkeypatch.setattr(grpc_receiver, "DeviceSlabs",
+                        lambda device, nbytes: cuda_ipc.DeviceSlabs(torch.device("cpu"), 1024))
+    rx = make_receiver("grpc", RX_ID, GPU_CFG, "127.0.0.1", 0)
+    tx = new_sender("shm", TX_ID, GPU_CFG)
+    try:
+        layers = kv_layers(50)
+        send_all(tx, rx.address, "ipc-full", layers)
+        assert wait_outcome(tx, "ipc-full").ok and tx.poll_fallbacks() == []
+        got = rx.take("ipc-full")
+        assert got is not None and same_bits(got.layers, layers)
+        assert got.storage is not None and rx.segments.owns(got.storage)
+    finally:
+        tx.close()
+        tx.fallback.close()
+        rx.close()
+
+
 class FakeCudaLender:
     """FAKE (protocol test only): lends host memory but describes it with the CUDA IPC
     fields given, as a receiver of another version or a hostile one might."""

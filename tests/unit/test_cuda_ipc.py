@@ -101,3 +101,20 @@ def test_fields_must_be_an_object() -> None:
 def test_mapping_key_names_the_slab_not_the_transfer() -> None:
     assert cuda_ipc.mapping_key(fields()) == cuda_ipc.mapping_key(fields(ref_offset=9))
     assert cuda_ipc.mapping_key(fields()) != cuda_ipc.mapping_key(fields(tensor_offset=0))
+
+
+def test_device_slabs_lend_at_most_their_bound_and_take_slabs_back() -> None:
+    # The bookkeeping is device-independent: CPU memory stands in for the GPU's here.
+    slabs = cuda_ipc.DeviceSlabs(torch.device("cpu"), 4 << 20)
+    a = slabs.get(3 << 20)
+    with pytest.raises(RuntimeError, match="device staging full"):
+        slabs.get(2 << 20)
+    slabs.put(a)
+    b = slabs.get(3 << 20)
+    assert b.data_ptr() == a.data_ptr()  # reused
+    slabs.retire(b)  # a failed transfer's slab: forgotten, not reused
+    c = slabs.get(1 << 20)
+    assert c.data_ptr() != a.data_ptr()
+    slabs.put(c)
+    d = slabs.get(4 << 20)  # the free 1 MiB slab is dropped to make room
+    assert d.numel() >= 4 << 20

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import threading
 from typing import Any
 
 import torch
@@ -136,21 +137,44 @@ def mapping_key(fields: object) -> str:
 
 
 class DeviceSlabs:
-    """The receiver's device staging lent over CUDA IPC: a `SlabPool` on its GPU whose
-    slabs it can describe to a sender (`describe`, the SEGMENT answer's fields)."""
+    """The receiver's device staging lent over CUDA IPC: slabs of its GPU's memory that it
+    can describe to a sender (`describe`: the SEGMENT answer's fields).
+
+    This memory is outside vLLM's KV cache budget (leave room for it below
+    `gpu_memory_utilization`), so it is bounded: at most `max_bytes`, lent and free
+    together. A transfer that does not fit, or that the GPU has no memory for, is refused
+    here (`get` raises RuntimeError) and the receiver lends it a host segment instead."""
 
     def __init__(self, device: torch.device, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
         self._pool = SlabPool(device, max_bytes)
+        self._lock = threading.Lock()
+        self._lent: dict[int, int] = {}  # data_ptr -> bytes of each slab lent out
 
     def get(self, nbytes: int) -> torch.Tensor:
-        return self._pool.get(nbytes)
+        with self._lock:
+            lent = sum(self._lent.values())
+            if lent + nbytes > self.max_bytes:
+                raise RuntimeError(f"device staging full: {lent} bytes lent, {nbytes} more "
+                                   f"would pass {self.max_bytes}")
+            slab = self._pool.reuse(nbytes)
+            if slab is None:
+                if lent + self._pool.pooled_bytes + nbytes > self.max_bytes:
+                    self._pool.clear()  # free slabs of other sizes make room for this one
+                slab = self._pool.get(nbytes)  # torch.OutOfMemoryError is a RuntimeError
+            self._lent[slab.data_ptr()] = slab.numel()
+        return slab
 
     def put(self, slab: torch.Tensor) -> None:
-        self._pool.put(slab)
+        with self._lock:
+            self._lent.pop(slab.data_ptr(), None)
+            self._pool.put(slab)
 
     def retire(self, slab: torch.Tensor) -> None:
         """Not reused: freed once dropped; torch's IPC reference count keeps the memory
         until the sender lets go of its mapping."""
+        with self._lock:
+            self._lent.pop(slab.data_ptr(), None)
 
     def describe(self, slab: torch.Tensor) -> dict[str, Any]:
         return {"cuda_ipc": export_slab(slab), "checksum": DEVICE_CHECKSUM}

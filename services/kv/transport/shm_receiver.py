@@ -14,11 +14,13 @@ the stream with a status.
 A receiver on a GPU (`DeviceSlabs`, see `cuda_ipc`) lends a slab of device memory
 instead, to a sender whose HEADER says `cuda_ipc: true`: SEGMENT then carries the slab's
 CUDA IPC handle {cuda_ipc: {...}, checksum: "sum64", nbytes, batches}, and each layer is
-verified on the GPU with `cuda_ipc.device_digest`. Other senders get a host segment.
+verified on the GPU with `cuda_ipc.device_digest`. Other senders get a host segment, and
+so does an offer the device staging has no room for.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -28,9 +30,11 @@ import torch
 from services.kv.transport import checksum, cuda_ipc, frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.shm_segments import SegmentPool
-from services.kv.transport.staged import Staged, TransferFault
+from services.kv.transport.staged import NoStagingMemory, Staged, TransferFault
 from services.kv.transport.staging import StagingTable
 from services.kv.transport.stream_status import stream_failure
+
+logger = logging.getLogger(__name__)
 
 
 class ShmInbound:
@@ -57,9 +61,17 @@ class ShmInbound:
                 raise FrameError("a shm stream must start with HEADER")
             sender, spec, algorithm = frames.decode_header(frame.body)
             lender: SegmentPool | cuda_ipc.DeviceSlabs = self.segments
+            st = None
             if self.device_slabs is not None and frame.body.get("cuda_ipc") is True:
-                lender = self.device_slabs
-            st = self.table.open(sender, spec, algorithm, context.cancel, lender)
+                try:
+                    st = self.table.open(sender, spec, algorithm, context.cancel,
+                                         self.device_slabs)
+                    lender = self.device_slabs
+                except NoStagingMemory as e:  # GPU full: this one goes through the host
+                    logger.info("KV transfer %s staged in host memory: %s",
+                                spec.transfer_id, e)
+            if st is None:
+                st = self.table.open(sender, spec, algorithm, context.cancel, lender)
             assert st.slab is not None
             body = {**lender.describe(st.slab), "nbytes": spec.total_nbytes,
                     "batches": self.batches}

@@ -16,14 +16,20 @@ class SlabPool:
         self._free: list[torch.Tensor] = []
         self._lock = threading.Lock()
 
-    def get(self, nbytes: int) -> torch.Tensor:
+    def reuse(self, nbytes: int) -> torch.Tensor | None:
+        """The smallest free slab of at least `nbytes`, or None."""
         with self._lock:
             # By position, never `list.remove`: that compares tensors with `==`, which
             # broadcasts (and fails) across slabs of different sizes.
             fits = [i for i, s in enumerate(self._free) if s.numel() >= nbytes]
-            if fits:
-                best = min(fits, key=lambda i: self._free[i].numel())
-                return self._free.pop(best)
+            if not fits:
+                return None
+            return self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        slab = self.reuse(nbytes)
+        if slab is not None:
+            return slab
         # Round up so that transfers of similar length can share slabs later.
         step = max(1 << 20, 1 << max(nbytes.bit_length() - 4, 0))
         return torch.empty(-(-nbytes // step) * step, dtype=torch.uint8, device=self.device)
@@ -38,6 +44,11 @@ class SlabPool:
     def retire(self, slab: torch.Tensor) -> None:
         """A slab that must not be reused (its writer may still be writing): the garbage
         collector frees it once the writer lets go."""
+
+    def clear(self) -> None:
+        """Drop every free slab (its memory goes back to the allocator)."""
+        with self._lock:
+            self._free = []
 
     @property
     def pooled_bytes(self) -> int:

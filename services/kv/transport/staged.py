@@ -29,6 +29,10 @@ class Refused(Exception):
     """The header was not accepted (incompatible peer, duplicate id, no room)."""
 
 
+class NoStagingMemory(Refused):
+    """The header was fine but its staging memory could not be had (a full device)."""
+
+
 class TransferFault(Exception):
     """The transfer broke a rule mid-way; it is FAILED and the stream should stop.
 

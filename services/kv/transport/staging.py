@@ -23,7 +23,7 @@ from services.kv.transport import checksum
 from services.kv.transport.frames import DataFrame, byte_view
 from services.kv.transport.slab_pool import SlabPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransferSpec, TransportConfig
-from services.kv.transport.staged import Pool, Refused, Staged, TransferFault
+from services.kv.transport.staged import NoStagingMemory, Pool, Refused, Staged, TransferFault
 
 logger = logging.getLogger(__name__)
 
@@ -109,7 +109,7 @@ class StagingTable:
         except (RuntimeError, ValueError, OSError) as e:  # out of memory, bad device
             with self._cond:
                 self._staged_bytes -= need
-            raise Refused(f"cannot allocate {need} staging bytes: {e}") from None
+            raise NoStagingMemory(f"cannot allocate {need} staging bytes: {e}") from None
         now = self._clock()
         st = Staged(spec, sender, layers, [None] * spec.num_layers, now, time.time(), now)
         st.slab, st.pool = slab, pool
