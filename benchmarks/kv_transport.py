@@ -14,6 +14,10 @@ serves shm on its address). Each checksum algorithm is also timed alone over the
 (1 thread), and `--checksum` picks what the transports' senders compute. Both processes
 run with tcmalloc in front where it is installed, as pdserve's CPU engines (and so their
 KV receivers) do; `--allocator system` measures glibc's malloc.
+
+`--device cuda` (a GPU host) puts the layers in GPU memory and gives both ends the GPU
+as `ipc_device`, so "shm" runs device to device over CUDA IPC; the reference is then a
+device-to-device copy on that GPU, and the GPU digest (sum64) joins the checksum table.
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ from services.kv.transport import (
     TransferSpec,
     TransportConfig,
     checksum,
+    cuda_ipc,
     make_receiver,
     make_sender,
     make_shm_sender,
@@ -75,6 +80,8 @@ def cpu_seconds() -> float:
 def receiver_main(kind: str, config: TransportConfig, conn: Any) -> None:
     """Child process: serve, and hand back each transfer's timing when asked."""
     torch.set_num_threads(1)
+    if config.ipc_device:
+        torch.cuda.set_device(torch.device(config.ipc_device))
     rx_kind = "grpc" if kind == "shm" else kind
     rx = make_receiver(rx_kind, PeerIdentity("bench-decode", 1, FP), config, "127.0.0.1", 0)
     conn.send(rx.address)
@@ -90,7 +97,7 @@ def receiver_main(kind: str, config: TransportConfig, conn: Any) -> None:
             crc = 0
             if verify:
                 for layer in got.layers:
-                    crc = zlib.crc32(byte_view(layer), crc)
+                    crc = zlib.crc32(byte_view(layer.cpu()), crc)
             conn.send({"ok": True, "span_s": got.last_byte_ts - got.first_byte_ts, "crc": crc})
             rx.release(got)  # as the connector does after copying the blocks out
         elif msg[0] == "cpu":
@@ -101,28 +108,41 @@ def receiver_main(kind: str, config: TransportConfig, conn: Any) -> None:
             return
 
 
-def bench_memcpy(nbytes: int, rounds: int) -> dict[str, Any]:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8)
+def bench_memcpy(nbytes: int, rounds: int, device: str = "cpu") -> dict[str, Any]:
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
     dst.copy_(src)  # fault the pages in first
     times = []
     for _ in range(rounds):
+        _sync(device)
         t0 = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
         times.append(time.perf_counter() - t0)
     return {"times_s": times}
 
 
+def _sync(device: str) -> None:
+    if device != "cpu":
+        torch.cuda.synchronize(device)
+
+
 def bench_checksums(layers: list[torch.Tensor], rounds: int) -> dict[str, Any]:
-    """Each algorithm over the whole payload, layer by layer, on this thread."""
-    views = [byte_view(t) for t in layers]
+    """Each algorithm over the whole payload, layer by layer, on this thread (the host
+    algorithms over host copies of GPU layers, the GPU digest where the layers are)."""
+    views = [byte_view(t.cpu()) for t in layers]
+    digests: dict[str, Any] = {
+        name: (lambda v, name=name: checksum.digest(name, v), views)
+        for name in checksum.ALGORITHMS}
+    if layers[0].is_cuda:
+        digests[cuda_ipc.DEVICE_CHECKSUM] = (cuda_ipc.device_digest, layers)
     out: dict[str, Any] = {}
-    for name in checksum.ALGORITHMS:
+    for name, (digest, items) in digests.items():
         times = []
         for _ in range(rounds + 1):
             t0 = time.perf_counter()
-            for v in views:
-                checksum.digest(name, v)
+            for item in items:
+                digest(item)
             times.append(time.perf_counter() - t0)
         out[name] = {"times_s": times[1:]}
     return out
@@ -143,7 +163,7 @@ def bench_transport(
         sender = make_sender(kind, me, config)
     expected_crc = 0
     for layer in layers:
-        expected_crc = zlib.crc32(byte_view(layer), expected_crc)
+        expected_crc = zlib.crc32(byte_view(layer.cpu()), expected_crc)
     times, spans, tx_cpu_total, rx_cpu_total = [], [], 0.0, 0.0
     try:
         for i in range(warmup + rounds):
@@ -238,8 +258,14 @@ def main(argv: list[str] | None = None) -> int:
                    help="malloc of both processes, as `pdserve --allocator` sets it for the "
                    "engines (whose worker process runs the KV receiver): auto = tcmalloc where "
                    "installed (default auto)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                   help="where the layers live: cuda (a GPU host) sends them from GPU memory "
+                   "and runs shm device to device over CUDA IPC; the reference is then a "
+                   "copy on the GPU (default cpu)")
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA GPU here")
     preload = os.environ.get("LD_PRELOAD", "")
     wanted = preload_allocator(args.allocator, preload)
     if wanted != preload:  # start again with the allocator in front, as the engines do
@@ -251,15 +277,17 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(1)
     shape = tuple(int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
-    layers = [torch.randn(shape).to(dtype) for _ in range(args.layers)]
+    device = "cuda:0" if args.device == "cuda" else "cpu"
+    layers = [torch.randn(shape).to(dtype).to(device) for _ in range(args.layers)]
     nbytes = sum(t.numel() * t.element_size() for t in layers)
     config = TransportConfig(
         chunk_bytes=args.chunk_bytes,
         max_message_bytes=max(8 << 20, args.chunk_bytes + (1 << 20)),
         checksum=args.checksum,
+        ipc_device=device if device != "cpu" else "",
     )
 
-    results: dict[str, Any] = {"memcpy": bench_memcpy(nbytes, max(args.rounds, 5))}
+    results: dict[str, Any] = {"memcpy": bench_memcpy(nbytes, max(args.rounds, 5), device)}
     sums = bench_checksums(layers, max(args.rounds, 5))
     tls_config = with_tls(config) if args.tls else None
     for kind in args.transports.split(","):
@@ -272,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     gb_moved = nbytes / 1e9
     print(
         f"payload {nbytes / 1e6:.1f} MB: {args.layers} layers x {shape} {args.dtype}; "
-        f"median of {args.rounds} rounds; {allocator}; load average {os.getloadavg()[0]:.1f} "
+        f"on {device}; median of {args.rounds} rounds; {allocator}; "
+        f"load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores"
     )
     print(
@@ -290,7 +319,9 @@ def main(argv: list[str] | None = None) -> int:
             r["sender_cpu_s_per_gb"] = r["sender_cpu_s"] / moved
             r["receiver_cpu_s_per_gb"] = r["receiver_cpu_s"] / moved
             cpu = [f"{r['sender_cpu_s_per_gb']:.2f}", f"{r['receiver_cpu_s_per_gb']:.2f}"]
-        label = "memcpy, torch copy_, 1 thread" if name == "memcpy" else name
+        reference = ("memcpy, torch copy_, 1 thread" if device == "cpu"
+                     else f"memcpy, torch copy_ on {device}")
+        label = reference if name == "memcpy" else name
         lo, hi = min(r["times_s"]) * 1e3, max(r["times_s"]) * 1e3
         print(
             f"| {label} | {gbps:.2f} | {gbps / ref:.2f} | {med * 1e3:.1f} | {lo:.1f} "
@@ -313,6 +344,7 @@ def main(argv: list[str] | None = None) -> int:
             "chunk_bytes": args.chunk_bytes,
             "checksum": args.checksum,
             "allocator": allocator,
+            "device": device,
             "torch": torch.__version__,
         }
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
