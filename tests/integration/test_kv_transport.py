@@ -845,10 +845,12 @@ def test_shm_reuses_one_segment_and_stages_without_a_copy(receivers: dict[str, A
 
 
 @contextlib.contextmanager
-def receiver_and_shm_sender(cfg: TransportConfig) -> Iterator[tuple[Any, Any]]:
+def receiver_and_shm_sender(
+    cfg: TransportConfig, sender_cfg: TransportConfig = CFG
+) -> Iterator[tuple[Any, Any]]:
     """A fresh receiver with `cfg` and a shm sender (with its gRPC fallback), closed after."""
     rx = make_receiver("grpc", RX_ID, cfg, "127.0.0.1", 0)
-    tx = new_sender("shm")
+    tx = new_sender("shm", TX_ID, sender_cfg)
     try:
         yield rx, tx
     finally:
@@ -1028,43 +1030,25 @@ def test_segments_of_a_dead_receiver_are_swept() -> None:
 GPU_CFG = dataclasses.replace(CFG, ipc_device="cuda:0")  # a sender whose engine is on a GPU
 
 
-def test_a_cuda_ipc_offer_gets_a_host_segment_from_a_receiver_without_a_gpu(
-    receivers: dict[str, Any],
+def full_device_staging(device: torch.device, nbytes: int) -> cuda_ipc.DeviceSlabs:
+    """Device staging bounded below one transfer: its bookkeeping refuses before any
+    device memory is touched, so CPU memory can stand in for the GPU's."""
+    return cuda_ipc.DeviceSlabs(torch.device("cpu"), 1024)
+
+
+@pytest.mark.parametrize("full", [False, True], ids=["receiver-without-a-gpu", "gpu-full"])
+def test_a_cuda_ipc_offer_the_receiver_cannot_take_gets_a_host_segment(
+    monkeypatch: pytest.MonkeyPatch, full: bool
 ) -> None:
-    rx, tx = receivers["shm"], new_sender("shm", TX_ID, GPU_CFG)
-    try:
+    if full:
+        monkeypatch.setattr(grpc_receiver, "DeviceSlabs", full_device_staging)
+    with receiver_and_shm_sender(GPU_CFG if full else CFG, GPU_CFG) as (rx, tx):
         layers = kv_layers(48)
         send_all(tx, rx.address, "ipc-offer", layers)
         assert wait_outcome(tx, "ipc-offer").ok and tx.poll_fallbacks() == []
         got = rx.take("ipc-offer")
         assert got is not None and same_bits(got.layers, layers)
         assert got.storage is not None and rx.segments.owns(got.storage)
-        rx.release(got)
-    finally:
-        tx.close()
-        tx.fallback.close()
-
-
-def test_an_offer_the_device_has_no_room_for_gets_a_host_segment(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    # Device staging bounded below one transfer: the bookkeeping refuses before any
-    # device memory is touched, so CPU memory can stand in for the GPU's.
-    monkeypatch.setattr(grpc_receiver, "DeviceSlabs",
-                        lambda device, nbytes: cuda_ipc.DeviceSlabs(torch.device("cpu"), 1024))
-    rx = make_receiver("grpc", RX_ID, GPU_CFG, "127.0.0.1", 0)
-    tx = new_sender("shm", TX_ID, GPU_CFG)
-    try:
-        layers = kv_layers(50)
-        send_all(tx, rx.address, "ipc-full", layers)
-        assert wait_outcome(tx, "ipc-full").ok and tx.poll_fallbacks() == []
-        got = rx.take("ipc-full")
-        assert got is not None and same_bits(got.layers, layers)
-        assert got.storage is not None and rx.segments.owns(got.storage)
-    finally:
-        tx.close()
-        tx.fallback.close()
-        rx.close()
 
 
 class FakeCudaLender:
@@ -1095,9 +1079,7 @@ def test_a_slab_that_cannot_be_mapped_moves_the_transfer_to_the_network(
     monkeypatch: pytest.MonkeyPatch, fields: Any, detail: str
 ) -> None:
     monkeypatch.setattr(grpc_receiver, "DeviceSlabs", lambda device, nbytes: FakeCudaLender(fields))
-    rx = make_receiver("grpc", RX_ID, GPU_CFG, "127.0.0.1", 0)
-    tx = new_sender("shm", TX_ID, GPU_CFG)
-    try:
+    with receiver_and_shm_sender(GPU_CFG, GPU_CFG) as (rx, tx):
         layers = kv_layers(49)
         send_all(tx, rx.address, "ipc-bad", layers)
         assert wait_outcome(tx.fallback, "ipc-bad").ok  # the network sender delivered it
@@ -1105,10 +1087,6 @@ def test_a_slab_that_cannot_be_mapped_moves_the_transfer_to_the_network(
         assert (peer, reason) == (rx.address, "shm_setup_failed") and detail in why, why
         got = rx.take("ipc-bad")
         assert got is not None and same_bits(got.layers, layers)
-    finally:
-        tx.close()
-        tx.fallback.close()
-        rx.close()
 
 
 # -- receiver hardening ------------------------------------------------------------------------
