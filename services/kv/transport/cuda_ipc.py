@@ -10,7 +10,10 @@ touches host memory; the decode worker's copy into its paged cache is local.
 The handle travels as plain fields (bytes base64-encoded), never as a pickle: the sender
 validates them and rebuilds the tensor with torch's own IPC code
 (`torch.multiprocessing.reductions.rebuild_cuda_tensor`), which also keeps the lender's
-memory alive while the sender maps it.
+memory alive while the sender maps it. Each export takes a reference on the slab that
+the sender's opening gives back (a reused slab is found in torch's mapping cache, and
+the reference is released there), so the sender opens the fields of every transfer,
+cached or not: a slab the receiver drops is freed once no transfer's reference is left.
 
 Checksums: a CRC over device memory would need the bytes on the host, so a device slab
 is checked with `device_digest`, a position-weighted 64-bit sum computed on the GPU on

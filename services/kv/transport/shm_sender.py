@@ -122,12 +122,16 @@ class ShmKVSender(SenderCore[ShmLink]):
                 self._channels[peer] = open_channel(peer, self.config)
             return self._channels[peer]
 
-    def _segment(self, name: str, nbytes: int, open_it: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def _segment(self, name: str, nbytes: int, open_it: Callable[[], torch.Tensor],
+                 always_open: bool = False) -> torch.Tensor:
+        """The mapping of segment `name`, from the cache unless `always_open` (CUDA IPC:
+        torch caches the mapping itself, and each opening balances the reference the
+        receiver's export of the slab for this transfer took)."""
         with self._mine_lock:
             seg = self._maps.get(name)
             if seg is not None:
                 self._maps.move_to_end(name)
-        if seg is None or seg.numel() < nbytes:
+        if seg is None or seg.numel() < nbytes or always_open:
             seg = open_it()
             with self._mine_lock:
                 self._maps[name] = seg
@@ -212,7 +216,7 @@ class ShmKVSender(SenderCore[ShmLink]):
             open_it = functools.partial(shm_segments.map_segment, name, nbytes)
         link.segment = name
         try:
-            return self._segment(name, nbytes, open_it)
+            return self._segment(name, nbytes, open_it, always_open=name.startswith("cuda:"))
         except (OSError, ValueError, RuntimeError) as e:
             # End the stream and wait for the receiver to fail the transfer: the network
             # sender reuses its id, which the receiver refuses while it is still open.
