@@ -51,6 +51,7 @@ class ShmInbound:
     ) -> None:
         self.table, self.segments, self.first_frame = table, segments, first_frame
         self.device_slabs = device_slabs
+        self._told_full = False  # warned once that device staging was full
 
     def handle(self, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
         st: Staged | None = None
@@ -68,8 +69,11 @@ class ShmInbound:
                                          self.device_slabs)
                     lender = self.device_slabs
                 except NoStagingMemory as e:  # GPU full: this one goes through the host
-                    logger.info("KV transfer %s staged in host memory: %s",
-                                spec.transfer_id, e)
+                    level = logging.DEBUG if self._told_full else logging.WARNING
+                    self._told_full = True
+                    logger.log(level, "KV transfer %s staged in host memory, not on the GPU "
+                               "(later ones are logged at debug level): %s",
+                               spec.transfer_id, e)
             if st is None:
                 st = self.table.open(sender, spec, algorithm, context.cancel, lender)
             assert st.slab is not None
