@@ -1038,7 +1038,7 @@ def full_device_staging(device: torch.device, nbytes: int) -> cuda_ipc.DeviceSla
 
 @pytest.mark.parametrize("full", [False, True], ids=["receiver-without-a-gpu", "gpu-full"])
 def test_a_cuda_ipc_offer_the_receiver_cannot_take_gets_a_host_segment(
-    monkeypatch: pytest.MonkeyPatch, full: bool
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, full: bool
 ) -> None:
     if full:
         monkeypatch.setattr(grpc_receiver, "DeviceSlabs", full_device_staging)
@@ -1049,6 +1049,7 @@ def test_a_cuda_ipc_offer_the_receiver_cannot_take_gets_a_host_segment(
         got = rx.take("ipc-offer")
         assert got is not None and same_bits(got.layers, layers)
         assert got.storage is not None and rx.segments.owns(got.storage)
+        assert f"KV to {rx.address} goes through host shared memory" in caplog.text
 
 
 class FakeCudaLender:

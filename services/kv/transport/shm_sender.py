@@ -85,6 +85,7 @@ class ShmKVSender(SenderCore[ShmLink]):
         self._maps: collections.OrderedDict[str, torch.Tensor] = collections.OrderedDict()
         self._mine_lock = threading.Lock()
         self._fallbacks: list[tuple[str, str, str]] = []  # (peer, reason, detail)
+        self._told_host: set[str] = set()  # peers that answered a cuda_ipc offer with host memory
 
     def poll_fallbacks(self) -> list[tuple[str, str, str]]:
         """(peer, reason, detail) of each transfer handed to the fallback since last call."""
@@ -214,6 +215,11 @@ class ShmKVSender(SenderCore[ShmLink]):
         else:
             name = frames.field(reply.body, "name", str)
             open_it = functools.partial(shm_segments.map_segment, name, nbytes)
+            if self.config.ipc_device and out.peer not in self._told_host:
+                self._told_host.add(out.peer)  # once per peer: it may be every transfer
+                logger.warning("KV to %s goes through host shared memory, not GPU to GPU: "
+                               "its device staging is full, or it runs without CUDA IPC",
+                               out.peer)
         link.segment = name
         try:
             return self._segment(name, nbytes, open_it, always_open=name.startswith("cuda:"))
