@@ -21,8 +21,8 @@ both sides (the sender over its source layer, the receiver over the slab). It de
 corrupt word and misplaced rows; it is not a CRC, and it does not need to be: the bytes
 cross no wire, and what it guards against is a copy that did not land.
 
-Tested on CPU: the digest and the handle's validation. The export, the mapping and the
-device-to-device copy need a GPU (`tests/integration/test_kv_cuda_ipc.py`, skipped
+Tested on CPU: the digest, the handle's validation, the staging bound and the protocol
+around them. The export, the mapping and the device-to-device copy need a GPU (`tests/integration/test_kv_cuda_ipc.py`, skipped
 without one).
 """
 
