@@ -22,8 +22,8 @@ corrupt word and misplaced rows; it is not a CRC, and it does not need to be: th
 cross no wire, and what it guards against is a copy that did not land.
 
 Tested on CPU: the digest, the handle's validation, the staging bound and the protocol
-around them. The export, the mapping and the device-to-device copy need a GPU (`tests/integration/test_kv_cuda_ipc.py`, skipped
-without one).
+around them. The export, the mapping and the device-to-device copy need a GPU
+(`tests/integration/test_kv_cuda_ipc.py`, skipped without one).
 """
 
 from __future__ import annotations
