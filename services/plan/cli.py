@@ -200,9 +200,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "budgets), each P:D split and conditional disaggregation on one "
                           "seeded `pdserve bench` schedule, predicts TTFT/TPOT/ITL and goodput, "
                           "ranks them and prints the best as `pdserve up` flags and Helm values. "
-                          "Against real runs on a 2-core CPU host its median error was 5.5% "
-                          "with a profile taken right after the run and 17-19% with profiles "
-                          "taken minutes later, mostly optimistic (BENCHMARKS.md): profile the "
+                          "Against real runs on a 2-core CPU host its median error was 5.5-5.6% "
+                          "with a profile taken right after the run and 10-19% with profiles "
+                          "taken before it or minutes later, mostly optimistic (BENCHMARKS.md): "
+                          "profile the "
                           "host as it will serve, treat configurations within 20% of each "
                           "other as ties, and measure them.")
     pred.add_argument("--profile", default=DEFAULT_PROFILE, help="profile JSON to use")

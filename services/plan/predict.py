@@ -145,9 +145,9 @@ def rank(predictions: list[Prediction]) -> list[tuple[str, float, list[float]]]:
     return [(n, sum(table[n]), table[n]) for n in order]
 
 
-# The planner's median error against real runs (BENCHMARKS.md, "Planner"): 17-19% on a
-# 2-core CPU host, mostly optimistic (5.5% with a profile taken right after the run: the
-# host moves that much within minutes). Configurations closer than this to the first
+# The planner's median error against real runs (BENCHMARKS.md, "Planner"): 10-19% on a
+# 2-core CPU host, mostly optimistic (5.5-5.6% with a profile taken right after the run:
+# the host moves that much within minutes). Configurations closer than this to the first
 # choice cannot be told apart by the simulation.
 CLOSE_CALL = 0.2
 

@@ -212,7 +212,9 @@ class ShmKVSender(SenderCore[ShmLink]):
             name = cuda_ipc.mapping_key(fields)
             device = torch.device(self.config.ipc_device)
             open_it = functools.partial(cuda_ipc.open_slab, fields, nbytes, device)
+            always_open = True  # torch caches the mapping; each opening settles a reference
         else:
+            always_open = False
             name = frames.field(reply.body, "name", str)
             open_it = functools.partial(shm_segments.map_segment, name, nbytes)
             if self.config.ipc_device and out.peer not in self._told_host:
@@ -222,7 +224,7 @@ class ShmKVSender(SenderCore[ShmLink]):
                                out.peer)
         link.segment = name
         try:
-            return self._segment(name, nbytes, open_it, always_open=name.startswith("cuda:"))
+            return self._segment(name, nbytes, open_it, always_open)
         except (OSError, ValueError, RuntimeError) as e:
             # End the stream and wait for the receiver to fail the transfer: the network
             # sender reuses its id, which the receiver refuses while it is still open.
