@@ -42,6 +42,7 @@ from services.kv.transport.frames import FrameKind
 from services.kv.transport.grpc_channel import PAIR, PUSH, SHM, channel_options
 from services.kv.transport.grpc_receiver import GrpcKVReceiver
 from services.kv.transport.shm_receiver import ShmInbound
+from services.kv.transport.shm_sender import ShmKVSender
 from services.kv.transport.slab_pool import SlabPool
 
 pytestmark = pytest.mark.timeout(240)  # spawned senders import torch: slow on a busy host
@@ -988,6 +989,34 @@ def test_shm_falls_back_to_the_network_when_the_receiver_has_it_off() -> None:
         [(peer, reason, detail)] = tx.poll_fallbacks()
         assert (peer, reason) == (rx.address, "receiver_refuses_shm") and "UNIMPLEMENTED" in detail
         got = rx.take("shm-off")
+        assert got is not None and same_bits(got.layers, layers)
+
+
+def test_a_transfer_released_while_its_segment_is_mapped_is_refused_not_moved(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The receiver releases the transfer (its request was cancelled) after lending the
+    # segment and before the sender maps it; the release unlinked the segment, so the map
+    # fails. The sender must report the refusal: not move the transfer to the network
+    # (which refuses it too) nor stop using shm towards a healthy receiver.
+    tid = "shm-released-at-map"
+    real_segment = ShmKVSender._segment
+
+    def released_first(self: ShmKVSender, *args: Any, **kwargs: Any) -> torch.Tensor:
+        rx.discard(tid)
+        return real_segment(self, *args, **kwargs)
+
+    with receiver_and_shm_sender(CFG) as (rx, tx):
+        monkeypatch.setattr(ShmKVSender, "_segment", released_first)
+        send_all(tx, rx.address, tid, kv_layers(48))
+        outcome = wait_outcome(tx, tid)
+        assert not outcome.ok and "released by the receiver" in (outcome.error or ""), outcome
+        assert tx.poll_fallbacks() == [] and tx.fallback.poll_finished() == []
+        monkeypatch.undo()
+        layers = kv_layers(49)
+        send_all(tx, rx.address, "shm-after-release", layers)
+        assert wait_outcome(tx, "shm-after-release").ok and tx.poll_fallbacks() == []
+        got = rx.take("shm-after-release")
         assert got is not None and same_bits(got.layers, layers)
 
 

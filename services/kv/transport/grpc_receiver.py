@@ -162,6 +162,7 @@ class GrpcKVReceiver(KVReceiver):
                 got = self.table.finish(st, chunks, nbytes)
                 return frames.encode_ack(st.spec.transfer_id, True, None, got)
             raise TransferFault(f"unexpected {frame.kind.name} frame inside a transfer")
+        self.table.check_live(st)  # released mid-way: the sender hears that, not "truncated"
         # A killed sender often shows up as a plain end of stream rather than an error.
         raise TransferFault(
             "truncated: stream ended before the end frame (sender closed it or vanished)",

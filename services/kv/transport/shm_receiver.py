@@ -94,6 +94,7 @@ class ShmInbound:
                     return
                 else:
                     raise FrameError(f"unexpected {frame.kind.name} frame on a shm stream")
+            self.table.check_live(st)  # released mid-way: the sender hears that, not "truncated"
             raise TransferFault("truncated: stream ended before the end frame", data_loss=True)
         except Exception as e:
             failure = stream_failure(e)

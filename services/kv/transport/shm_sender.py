@@ -20,7 +20,6 @@ GPU's memory, and layers go device to device (see `cuda_ipc`).
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import logging
 import queue
@@ -229,8 +228,16 @@ class ShmKVSender(SenderCore[ShmLink]):
             # End the stream and wait for the receiver to fail the transfer: the network
             # sender reuses its id, which the receiver refuses while it is still open.
             link.control.put(None)
-            with contextlib.suppress(grpc.RpcError, StopIteration):
+            try:
                 self._next_raw(out)
+            except grpc.RpcError as answer:
+                # A refusal (the receiver released the transfer, and so unlinked its
+                # segment) is the outcome: the network would be refused too, and shm to
+                # this peer is fine.
+                if answer.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                    raise
+            except StopIteration:
+                pass
             raise _Fallback(REASON_SETUP, f"cannot map segment {name}: {e}") from None
 
     def _ship(self, out: Outgoing[ShmLink], link: ShmLink, seg: torch.Tensor) -> None:

@@ -66,3 +66,4 @@ class Staged:
     slab: torch.Tensor | None = None  # pooled memory under `layers`
     checksum: str = checksum.DEFAULT  # the algorithm the sender named in its header
     pool: Pool | None = None  # where `slab` came from and goes back to
+    released: bool = False  # discarded by the receiver while it was still arriving

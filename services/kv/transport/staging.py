@@ -138,13 +138,17 @@ class StagingTable:
                 "cancelled or moved)")
 
     # -- writing ---------------------------------------------------------------------
-    def _check_live(self, st: Staged) -> None:
+    def check_live(self, st: Staged) -> None:
+        """Raise unless `st` still takes bytes: Refused if the receiver released it (the
+        sender is told so, as it would be had it arrived later), else TransferFault."""
+        if st.released:
+            raise Refused(self._released(st.spec.transfer_id))
         if st.state is not ReceiveState.RECEIVING:
             raise TransferFault(st.error or f"transfer is {st.state.value}")
 
     def write_chunk(self, st: Staged, frame: DataFrame) -> None:
         """Verify one gRPC data chunk and copy it into place; raises TransferFault."""
-        self._check_live(st)
+        self.check_live(st)
         spec, layer = st.spec, frame.layer
         if layer >= spec.num_layers:
             raise TransferFault(f"layer {layer} out of range (transfer has {spec.num_layers})")
@@ -181,7 +185,7 @@ class StagingTable:
 
     def layer_buffer(self, st: Staged, layer: int, nbytes: int) -> torch.Tensor:
         """The buffer a whole layer is received into (torch transport); checks the size."""
-        self._check_live(st)
+        self.check_live(st)
         spec = st.spec
         if not 0 <= layer < spec.num_layers:
             raise TransferFault(f"layer {layer} out of range (transfer has {spec.num_layers})")
@@ -206,7 +210,7 @@ class StagingTable:
 
     def finish(self, st: Staged, num_chunks: int, nbytes: int) -> int:
         """The sender says it is done: COMPLETE if everything is here, else TransferFault."""
-        self._check_live(st)
+        self.check_live(st)
         spec, got = st.spec, sum(st.filled)
         missing = [i for i, n in enumerate(st.filled) if n != spec.layer_nbytes]
         if missing:
@@ -221,7 +225,7 @@ class StagingTable:
                 f"received {sum(st.next_chunk)} chunks / {got} bytes"
             )
         with self._cond:
-            self._check_live(st)
+            self.check_live(st)
             st.state = ReceiveState.COMPLETE
             st.views = []
             st.last_wall = time.time()
@@ -297,7 +301,8 @@ class StagingTable:
                     st.pool.put(st.slab)  # its writer is done: safe to reuse
                     st.slab = None
                 if st.state is ReceiveState.RECEIVING:
-                    st.state, st.error = ReceiveState.FAILED, "discarded by the receiver"
+                    st.state, st.error = ReceiveState.FAILED, self._released(transfer_id)
+                    st.released = True
                 self._drop(st)
                 self._cond.notify_all()
 

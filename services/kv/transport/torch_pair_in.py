@@ -62,7 +62,7 @@ class PairIn:
                     acks.append(
                         frames.encode_ack(tid, True, None, self.table.finish(st, chunks, nbytes))
                     )
-                except TransferFault as e:
+                except (TransferFault, Refused) as e:  # Refused: released mid-way
                     self._fail(tid, str(e), acks, st)
         elif kind is FrameKind.CANCEL:
             reason = str(body.get("reason", ""))[:500]
@@ -80,7 +80,7 @@ class PairIn:
             try:
                 flat = self.table.layer_buffer(st, layer, nbytes).reshape(-1).view(torch.uint8)
                 return self.pg.recv([flat], 0, tag), (st, layer, flat, crc)
-            except TransferFault as e:
+            except (TransferFault, Refused) as e:  # Refused: released mid-way
                 self._fail(tid, str(e), acks)
         # Unknown, failed or refused transfer: take the payload and drop it, so that the
         # next recv lines up with the next send (gloo kills a process on a size mismatch).
