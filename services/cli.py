@@ -129,11 +129,16 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from services.launcher.up import run_up, stack_from_args
+    from services.plan.live import PlannerError
 
     stack = stack_from_args(args)
     if not _security_ok(stack.server):
         return 1
-    asyncio.run(run_up(stack))
+    try:
+        asyncio.run(run_up(stack))
+    except PlannerError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     return 0
 
 

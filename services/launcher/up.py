@@ -42,12 +42,13 @@ from services.engine.config import EngineConfig, cpu_only, split_cores, with_ste
 from services.launcher.desired import Desired, DesiredState, remove_state, write_state
 from services.launcher.desired import set_desired as set_desired
 from services.launcher.desired import state_path as state_path
+from services.launcher.planning import live_planner, run_planner
 from services.launcher.supervisor import ROLES, ProbeSettings
 from services.launcher.supervisor import Supervisor as BaseSupervisor
 from services.registry.config import ClusterStateConfig
 from services.registry.records import BadRecord
 from services.registry.redis_server import RedisServer, redact
-from services.registry.registry import BAD_RECORDS, redis_client
+from services.registry.registry import BAD_RECORDS, Registry, redis_client
 from services.registry.signing import SECRET_ENV, RecordSigner, load_secret, new_secret
 from services.router.config import RouterConfig
 from services.security.stack import StackCertificates, has_internal_tls
@@ -97,6 +98,25 @@ class LauncherConfig(BaseSettings):
     state_file: str = Field("", description="where `scale` and `down` find a local stack's "
                             "Redis URL and secret (mode 0600); default up.json beside the "
                             "models cache")
+    planner_profile: str = Field(
+        "", description="GPU stacks: a `pdserve plan profile` JSON; set, the live planner "
+        "moves workers between the prefill and decode pools (their total stays) to the split "
+        "it predicts serves the observed traffic best (README, \"The live planner\")")
+    planner_slo: str = Field("ttft=0.5,itl=0.05", description="the live planner's SLOs, "
+                             "NAME=SECONDS,... (ttft, tpot, itl, e2e): goodput is requests/s "
+                             "within all of them")
+    planner_interval_s: float = Field(60.0, gt=0, description="seconds of traffic the live "
+                                      "planner observes per decision")
+    planner_cooldown_s: float = Field(300.0, ge=0, description="at least this long between "
+                                      "two changes of the split")
+    planner_min_prefill: int = Field(1, ge=0, description="the live planner's floor for the "
+                                     "prefill pool (0 lets it choose colocated serving)")
+    planner_min_decode: int = Field(1, ge=1, description="the live planner's floor for the "
+                                    "decode pool")
+    planner_margin: float = Field(0.2, ge=0, description="change the split only when the "
+                                  "best one's predicted goodput beats the current one's by "
+                                  "more than this share (the planner's error against real "
+                                  "runs; smaller gains are noise)")
 
 
 @dataclass
@@ -283,6 +303,7 @@ async def run_up(stack: Stack) -> None:
     import ray
 
     lc = stack.launcher
+    planner = live_planner(stack)  # a setting that cannot work stops here, before anything
     if lc.state_file:
         import os
 
@@ -314,6 +335,7 @@ async def run_up(stack: Stack) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     probing: asyncio.Task[None] | None = None
+    planning: asyncio.Task[None] | None = None
     try:
         for role in ROLES:
             supervisor.ensure(role, getattr(desired, role))
@@ -330,6 +352,9 @@ async def run_up(stack: Stack) -> None:
               f"({desired.prefill} prefill, {desired.decode} decode workers; Redis "
               f"{redact(redis_url)}; state in {state_file})", flush=True)
         probing = asyncio.create_task(supervisor.watch())
+        if planner is not None:
+            registry = Registry(redis, signer=RecordSigner(secret.encode() if secret else None))
+            planning = asyncio.create_task(run_planner(planner, registry, watch))
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -341,8 +366,9 @@ async def run_up(stack: Stack) -> None:
                 supervisor.ensure(role, getattr(want, role))
             supervisor.ensure("router", lc.routers)
     finally:
-        if probing is not None:
-            probing.cancel()
+        for task in (probing, planning):
+            if task is not None:
+                task.cancel()
         supervisor.stop_all()
         ray.shutdown()
         with contextlib.suppress(Exception):

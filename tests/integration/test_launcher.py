@@ -24,6 +24,8 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api.client import PdserveClient
+from services.launcher.planning import decode_pages
+from services.plan.live import TrafficMeter
 from services.registry.records import WorkerRecord
 from services.registry.registry import Registry
 from services.registry.signing import RecordSigner
@@ -171,6 +173,32 @@ async def test_up_answers_like_colocated(up: Up, colocated: ServerProcess, token
         b = await c2.generate(token_ids=ids, temperature=0.0, max_tokens=10, ignore_eos=True)
     assert a.token_ids == b.token_ids
     assert b.timings["kv_transfer_bytes"] > 0
+
+
+async def test_the_live_planner_reads_what_the_decode_worker_finished(up: Up, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    # What `pdserve up --planner-profile` observes: the decode worker's vLLM histograms
+    # count each request once, with its whole prompt (whose KV was shipped to it) and its
+    # output, shifted by the token the prefill worker generated: prompt + 1, output - 1.
+    sent = [(90, 3), (150, 5)]
+    registry = up.registry()
+    try:
+        meter = TrafficMeter()
+        assert meter.window(await decode_pages(registry), time.monotonic()) is None
+        async with PdserveClient(f"127.0.0.1:{up.port}") as client:
+            for i, (n, k) in enumerate(sent):
+                await client.generate(token_ids=prompt_of_length(tokenizer, n, salt=f"plan {i}"),
+                                      temperature=0.0, max_tokens=k, ignore_eos=True)
+        requests, prompt, output = 0, 0.0, 0.0
+        deadline = time.monotonic() + 15  # vLLM records a request's stats after its last token
+        while requests < len(sent) and time.monotonic() < deadline:
+            await asyncio.sleep(0.5)
+            t = meter.window(await decode_pages(registry), time.monotonic())
+            assert t is not None
+            requests, prompt, output = (requests + t.requests, prompt + t.prompt.total,
+                                        output + t.output.total)
+    finally:
+        await registry.close()
+    assert (requests, prompt, output) == (2, 240 + 2, 8 - 2)
 
 
 async def test_every_pdserve_port_of_a_default_stack_is_on_loopback(up: Up) -> None:
