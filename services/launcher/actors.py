@@ -8,6 +8,7 @@ run in-process, so when Ray kills an actor's process group their vLLM children g
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from typing import Any
@@ -33,6 +34,7 @@ class ServiceActor:
         self.pid = os.getpid()
         loop = asyncio.get_running_loop()
         self._port: asyncio.Future[int] = loop.create_future()
+        self._stop = asyncio.Event()  # drain(): leave rotation, finish streams, stop
         self._task: asyncio.Task[Any]
         if role in ("prefill", "decode"):
             assert engine_cfg is not None and worker_cfg is not None
@@ -64,12 +66,12 @@ class ServiceActor:
         from services.worker.serve import run_worker
 
         await run_worker(role, engine_cfg, server_cfg, worker_cfg,  # type: ignore[arg-type]
-                         on_ready=self._ready)
+                         on_ready=self._ready, stop=self._stop)
 
     async def _router(self, server_cfg: ServerConfig, router_cfg: RouterConfig) -> None:
         from services.router.service import run_router
 
-        await run_router(server_cfg, router_cfg, on_ready=self._ready)
+        await run_router(server_cfg, router_cfg, on_ready=self._ready, stop=self._stop)
 
     async def ready(self) -> dict[str, Any]:
         """Wait until the service listens; its port and process id."""
@@ -79,6 +81,14 @@ class ServiceActor:
             self._task.result()  # raises what stopped the service
             raise RuntimeError(f"the {self.role} service stopped before it was ready")
         return {"role": self.role, "port": self._port.result(), "pid": self.pid}
+
+    async def drain(self) -> None:
+        """Stop gracefully: a worker leaves the registry at once, the server refuses new
+        calls and gives running streams up to its `grace_s` to finish, then the engine
+        stops. Returns when the service has stopped (the launcher kills the actor then)."""
+        self._stop.set()
+        with contextlib.suppress(Exception):  # how it ended is logged by the service
+            await self._task
 
     async def alive(self) -> bool:
         if self._task.done():

@@ -10,6 +10,10 @@ restart epoch). An actor that does not get ready within `start_timeout_s` is tre
 same. Every restart is logged and counted in `pdserve_supervisor_restarts_total{role,
 reason}` (reason: hang, stopped, start_timeout, crashed = found restarted by Ray, died =
 gone for good, replaced).
+
+An actor that is no longer wanted (`pdserve scale`, the live planner, `pdserve down`) is
+drained before it is ended: a worker leaves the registry at once, so routers send it
+nothing new, and its running streams get the server's grace period to finish.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ class Supervisor:
     made: `_options(role, name)` (Ray options) and `_args(role, index)` (what
     `ServiceActor` is constructed with)."""
 
-    def __init__(self, probes: ProbeSettings, local_cluster: bool) -> None:
+    def __init__(self, probes: ProbeSettings, local_cluster: bool,
+                 drain_timeout_s: float = 30.0) -> None:
         import ray
 
         from services.launcher.actors import ServiceActor
@@ -75,6 +80,10 @@ class Supervisor:
         # SIGKILLed directly too, which works on a stopped process whatever Ray does.
         self.local_cluster = local_cluster
         self.actors: dict[str, Tracked] = {}
+        # Actors being stopped: they drain first (leave the registry, let running streams
+        # finish), for up to `drain_timeout_s`; their names are not reused meanwhile.
+        self.drain_timeout_s = drain_timeout_s
+        self.retiring: dict[str, asyncio.Future[None]] = {}
 
     def _options(self, role: str, name: str) -> dict[str, Any]:
         raise NotImplementedError
@@ -83,9 +92,11 @@ class Supervisor:
         raise NotImplementedError
 
     def ensure(self, role: str, count: int) -> None:
+        """Start the missing actors of `role` and retire those beyond `count` (highest
+        index first); called from the event loop, every reconcile round."""
         for i in range(count):
             name = f"{role}-{i}"
-            if name not in self.actors:
+            if name not in self.actors and name not in self.retiring:  # else: next round
                 log.info("starting %s", name)
                 handle = self.remote.options(**self._options(role, name)).remote(
                     *self._args(role, i))
@@ -93,11 +104,27 @@ class Supervisor:
         extra = sorted((n for n in self.actors if n.startswith(f"{role}-")
                         and int(n.rsplit("-", 1)[1]) >= count), reverse=True)
         for name in extra:
-            log.info("stopping %s", name)
-            tracked = self.actors.pop(name)
-            if tracked.ready is not None:
-                tracked.ready.cancel()
-            self.ray.kill(tracked.handle, no_restart=True)
+            self.retiring[name] = asyncio.ensure_future(self._retire(name,
+                                                                     self.actors.pop(name)))
+
+    async def _retire(self, name: str, t: Tracked) -> None:
+        """Drain a serving actor (bounded), then end it. One still starting has nothing
+        to drain and may not answer while its engine loads: it is ended at once."""
+        if t.ready is not None:
+            t.ready.cancel()
+        try:
+            if t.state == "serving":
+                log.info("draining %s (up to %.0f s)", name, self.drain_timeout_s)
+                await asyncio.wait_for(_result(t.handle.drain.remote()), self.drain_timeout_s)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # timed out, or already gone
+            log.warning("%s did not drain (%s); stopping it", name, type(e).__name__)
+        finally:
+            with contextlib.suppress(Exception):
+                self.ray.kill(t.handle, no_restart=True)
+            self.retiring.pop(name, None)
+        log.info("stopped %s", name)
 
     async def wait_ready(self, timeout: float = 900.0) -> dict[str, dict[str, Any]]:
         """The first start: every actor's ready() (an error in one stops `pdserve up`,
@@ -207,10 +234,9 @@ class Supervisor:
         RESTARTS.labels(t.role, "died").inc()
         self.actors.pop(name, None)
 
-    def stop_all(self) -> None:
-        for t in self.actors.values():
-            if t.ready is not None:
-                t.ready.cancel()
-            with contextlib.suppress(Exception):
-                self.ray.kill(t.handle, no_restart=True)
-        self.actors.clear()
+    async def stop_all(self) -> None:
+        """Retire every actor at once (each drains, bounded) and wait for them all."""
+        for name in list(self.actors):
+            self.retiring[name] = asyncio.ensure_future(self._retire(name,
+                                                                     self.actors.pop(name)))
+        await asyncio.gather(*self.retiring.values(), return_exceptions=True)

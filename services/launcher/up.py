@@ -152,7 +152,9 @@ class Supervisor(BaseSupervisor):
         self.tls = tls  # this stack's own CA, when it made one
         super().__init__(ProbeSettings(lc.actor_probe_interval_s, lc.actor_probe_timeout_s,
                                        lc.actor_probe_failures, lc.actor_start_timeout_s),
-                         local_cluster=not lc.ray_address)
+                         local_cluster=not lc.ray_address,
+                         # the streams' grace, then the engine's own shutdown
+                         drain_timeout_s=stack.server.grace_s + 20.0)
         self.stack, self.redis_url, self.secret = stack, redis_url, secret
 
     def _options(self, role: str, name: str) -> dict[str, Any]:
@@ -369,7 +371,7 @@ async def run_up(stack: Stack) -> None:
         for task in (probing, planning):
             if task is not None:
                 task.cancel()
-        supervisor.stop_all()
+        await supervisor.stop_all()
         ray.shutdown()
         with contextlib.suppress(Exception):
             await state.delete()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 
@@ -20,9 +21,10 @@ log = logging.getLogger(__name__)
 
 async def run_router(server_cfg: ServerConfig, config: RouterConfig,
                      on_ready: Callable[[int], None] | None = None,
-                     cluster: ClusterStateConfig | None = None) -> None:
+                     cluster: ClusterStateConfig | None = None,
+                     stop: asyncio.Event | None = None) -> None:
     """Serve the public API over the workers registered in `config.redis_url` until
-    SIGTERM/SIGINT; `on_ready` gets the bound gRPC port."""
+    SIGTERM/SIGINT (or `stop` is set), then drain; `on_ready` gets the bound gRPC port."""
     from transformers import AutoTokenizer
 
     if not config.redis_url:
@@ -43,7 +45,7 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
         await serve(server_cfg, [generation_service(backend)],
                     f"pdserve router ({config.policy}) serving {backend.facts.name}",
                     on_ready=lambda bound: on_ready(bound.port) if on_ready else None,
-                    http_backend=backend)
+                    stop=stop, http_backend=backend)
     finally:
         await backend.close()
         await registry.close()

@@ -41,10 +41,12 @@ async def _watch_engine(worker: Worker, died: asyncio.Event, stop: asyncio.Event
 
 async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerConfig,
                      config: WorkerConfig, on_ready: Callable[[int], None] | None = None,
-                     cluster: ClusterStateConfig | None = None) -> None:
-    """Serve until SIGTERM/SIGINT. Raises `EngineDead` when the engine died, after the
-    worker turned NOT_SERVING and removed its record, so that its supervisor (Ray, a
-    Kubernetes restart policy) starts a new one."""
+                     cluster: ClusterStateConfig | None = None,
+                     stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGTERM/SIGINT (or `stop` is set), then leave the registry at once and
+    let running streams finish for up to `server_cfg.grace_s`. Raises `EngineDead` when
+    the engine died, after the worker turned NOT_SERVING and removed its record, so that
+    its supervisor (Ray, a Kubernetes restart policy) starts a new one."""
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     # The signer first: a missing cluster secret fails before the engine spends a minute.
     signer = (cluster or ClusterStateConfig()).signer(  # type: ignore[call-arg]
@@ -61,10 +63,23 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
               f"{worker.identity.epoch}, layout {worker.fingerprint.digest()})")
     registry = Registry.from_url(config.redis_url, ttl_s=config.worker_ttl_s,
                                  signer=signer) if config.redis_url else None
-    stop, died = asyncio.Event(), asyncio.Event()
+    stop, died = stop or asyncio.Event(), asyncio.Event()
+    heartbeats: list[asyncio.Task[None]] = []
     tasks: list[asyncio.Task[None]] = [asyncio.create_task(_watch_engine(worker, died, stop))]
     if role == "decode":
         tasks.append(asyncio.create_task(watch_staging(worker.engine.llm)))
+
+    async def leave_rotation() -> None:
+        # First thing on stop, while the server drains: a record kept until after the
+        # drain would have routers send new requests that the draining server refuses.
+        await stop.wait()
+        for task in heartbeats:
+            task.cancel()
+        if registry is not None:
+            with contextlib.suppress(Exception):
+                await registry.deregister(worker.identity.worker_id)
+
+    tasks.append(asyncio.create_task(leave_rotation()))
 
     def register(bound: Bound) -> None:
         if on_ready is not None:
@@ -72,13 +87,13 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
         if registry is None:
             return
         address = f"{config.advertise_host or local_host(server_cfg.host)}:{bound.port}"
-        tasks.append(asyncio.create_task(heartbeat_forever(
+        heartbeats.append(asyncio.create_task(heartbeat_forever(
             registry, lambda: worker.record(address, bound.metrics_port), config.heartbeat_s)))
 
     try:
         await serve(server_cfg, services, banner, on_ready=register, stop=stop, internal=True)
     finally:
-        for task in tasks:
+        for task in (*tasks, *heartbeats):
             task.cancel()
         if registry is not None:
             with contextlib.suppress(Exception):

@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
@@ -19,11 +20,13 @@ import grpc
 import psutil
 import pytest
 import redis as sync_redis
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api.client import PdserveClient
+from services.launcher.desired import set_desired
 from services.launcher.planning import decode_pages
 from services.plan.live import TrafficMeter
 from services.registry.records import WorkerRecord
@@ -37,6 +40,7 @@ from tests.helpers.servers import ServerProcess, free_port, scrape, stop_group
 from tests.helpers.sockets import Listener, listeners, pid_listening_on, tree
 
 pytestmark = pytest.mark.engine
+DRAIN_TOKENS = 400  # a stream that outlasts the scale-down (a second or two) on a fast host
 
 # Ray's own listeners, which take no bind address (see services/launcher/up.py): they
 # listen on every interface (the runtime-env agent on the machine's address) even with a
@@ -87,7 +91,7 @@ class Up:
             [sys.executable, "-m", "services.cli", "up", "--prefill", "1", "--decode", "1",
              "--port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--kv-cache-gib", "1", "--worker-ttl-s", "3",
-             "--supervisor-metrics-port", str(self.supervisor_port),
+             "--supervisor-metrics-port", str(self.supervisor_port), "--grace-s", "120",
              "--actor-probe-interval-s", "1", "--actor-probe-timeout-s", "3"],
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
             env=self.env)
@@ -370,6 +374,64 @@ async def test_a_forged_desired_state_is_ignored(up: Up) -> None:
     assert {w.role for w in records} == {"prefill", "decode"}
     # the launcher put its own (signed) state back
     assert up.signer.open("desired", client.get("pdserve:desired"))["down"] is False
+
+
+def migrations(up: Up) -> float:
+    """Streams the router moved to another worker, whatever the reason."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{up.metrics_port}/metrics",
+                                  timeout=5).read().decode()
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
+               if s.name == "pdserve_migrations_total")
+
+
+async def test_a_worker_scaled_away_finishes_its_streams_first(  # type: ignore[no-untyped-def]
+        up: Up, colocated: ServerProcess, tokenizer, monkeypatch: pytest.MonkeyPatch) -> None:
+    # `pdserve scale` (and the live planner) drain a worker before ending it: it leaves
+    # the registry at once, so nothing new reaches it, and the streams it is serving
+    # finish there, token-identical to colocated, without a migration.
+    out = up.pdserve("scale", "--decode", "2")
+    assert "2 decode" in out.stdout, out.stderr
+    await up.wait_until(lambda rs: sum(w.role == "decode" for w in rs) == 2, 600,
+                        "a second decode worker")
+    prompts = [prompt_of_length(tokenizer, 100, salt=f"drain {i}") for i in range(2)]
+    migrated = migrations(up)
+    first_token = [asyncio.Event() for _ in prompts]
+
+    async def stream(i: int) -> list[int]:
+        got: list[int] = []
+        async with PdserveClient(f"127.0.0.1:{up.port}") as client:
+            async for piece in client.stream(token_ids=prompts[i], temperature=0.0,
+                                             max_tokens=DRAIN_TOKENS, ignore_eos=True):
+                got += piece.token_ids
+                first_token[i].set()
+        return got
+
+    # One stream on each decode worker: the second starts once the first one's worker
+    # reports it running, so the router's load policy sends it to the other.
+    streams = [asyncio.create_task(stream(0))]
+    await first_token[0].wait()
+    await up.wait_until(lambda rs: any(w.role == "decode" and w.load.running for w in rs), 30,
+                        "the first stream's worker to report it")
+    await asyncio.sleep(1.0)  # the router's view refreshes every 0.5 s
+    streams.append(asyncio.create_task(stream(1)))
+    await up.wait_until(lambda rs: [w.load.running for w in rs if w.role == "decode"] == [1, 1],
+                        30, "one stream running on each decode worker")
+    # What `pdserve scale --decode 1` does, in this process: a child process started now
+    # competes for the CPU with two busy engines on a 2-core host.
+    monkeypatch.setenv("PDSERVE_STATE_FILE", str(up.state_file))
+    await set_desired(up.redis_url, {"decode": 1})
+    await up.wait_until(lambda rs: not any(w.worker_id == "decode-1" for w in rs), 60,
+                        "decode-1 to leave the registry")
+    still_running = sum(not s.done() for s in streams)
+    got = await asyncio.gather(*streams)
+    print(f"{still_running} of 2 streams were running when decode-1 left the registry")
+    async with PdserveClient(colocated.target) as ref:
+        want = [(await ref.generate(token_ids=ids, temperature=0.0, max_tokens=DRAIN_TOKENS,
+                                    ignore_eos=True)).token_ids for ids in prompts]
+    assert got == want
+    assert migrations(up) == migrated
+    r = await generate(up, tokenizer, "after the drain")
+    assert r.completion_tokens == 3
 
 
 async def test_scale_at_run_time_then_down(up: Up, tokenizer) -> None:  # type: ignore[no-untyped-def]
