@@ -104,8 +104,10 @@ class Supervisor:
         extra = sorted((n for n in self.actors if n.startswith(f"{role}-")
                         and int(n.rsplit("-", 1)[1]) >= count), reverse=True)
         for name in extra:
-            self.retiring[name] = asyncio.ensure_future(self._retire(name,
-                                                                     self.actors.pop(name)))
+            self._start_retiring(name)
+
+    def _start_retiring(self, name: str) -> None:
+        self.retiring[name] = asyncio.ensure_future(self._retire(name, self.actors.pop(name)))
 
     async def _retire(self, name: str, t: Tracked) -> None:
         """Drain a serving actor (bounded), then end it. One still starting has nothing
@@ -237,6 +239,5 @@ class Supervisor:
     async def stop_all(self) -> None:
         """Retire every actor at once (each drains, bounded) and wait for them all."""
         for name in list(self.actors):
-            self.retiring[name] = asyncio.ensure_future(self._retire(name,
-                                                                     self.actors.pop(name)))
+            self._start_retiring(name)
         await asyncio.gather(*self.retiring.values(), return_exceptions=True)

@@ -324,7 +324,8 @@ async def run_up(stack: Stack) -> None:
         log.info("started redis-server at %s", redact(redis_url))
     secret = _secret(stack.cluster)
     redis = redis_client(redis_url, timeout_s=2.0)
-    state = DesiredState(redis, RecordSigner(secret.encode() if secret else None))
+    signer = RecordSigner(secret.encode() if secret else None)
+    state = DesiredState(redis, signer)
     desired = Desired(lc.prefill, lc.decode, lc.routers, stack=uuid.uuid4().hex).updated()
     await state.write(desired)
     tls = stack_certificates(stack)
@@ -355,7 +356,7 @@ async def run_up(stack: Stack) -> None:
               f"{redact(redis_url)}; state in {state_file})", flush=True)
         probing = asyncio.create_task(supervisor.watch())
         if planner is not None:
-            registry = Registry(redis, signer=RecordSigner(secret.encode() if secret else None))
+            registry = Registry(redis, signer=signer)
             planning = asyncio.create_task(run_planner(planner, registry, watch))
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):

@@ -12,6 +12,14 @@ DEFAULT_BUDGETS = (128, 256, 512)
 DEFAULT_THRESHOLDS = (128, 256, 512, 1024)
 
 
+def spread(values: list[int], at_most: int) -> list[int]:
+    """At most `at_most` of the sorted `values`, evenly spaced, first and last kept."""
+    if len(values) <= at_most:
+        return values
+    step = (len(values) - 1) / (at_most - 1)
+    return sorted({values[round(i * step)] for i in range(at_most)})
+
+
 def configurations(profile: Profile, units: int, budgets: tuple[int, ...] = DEFAULT_BUDGETS,
                    thresholds: tuple[int, ...] = DEFAULT_THRESHOLDS, engine_units: int = 1,
                    max_splits: int = 8, transport: str = "grpc") -> list[FleetConfig]:
@@ -32,10 +40,7 @@ def configurations(profile: Profile, units: int, budgets: tuple[int, ...] = DEFA
     out = [FleetConfig("colocated_default", PoolSpec(count, size))]
     out += [FleetConfig(f"colocated_b{b}", PoolSpec(count, size, b)) for b in budgets]
     steps = units if on_cores else count
-    splits = list(range(1, steps))
-    if len(splits) > max_splits:
-        step = (len(splits) - 1) / (max_splits - 1)
-        splits = sorted({splits[round(i * step)] for i in range(max_splits)})
+    splits = spread(list(range(1, steps)), max_splits)
 
     def pools(p: int) -> tuple[PoolSpec, PoolSpec]:
         if on_cores:

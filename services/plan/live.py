@@ -27,6 +27,7 @@ import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Literal
 
 import numpy as np
 from prometheus_client import Counter
@@ -34,6 +35,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.bench.arrivals import ArrivalConfig, send_offsets
 from services.bench.metrics import SLOs
+from services.plan.configs import spread
 from services.plan.costmodel import Profile
 from services.plan.fleet import FleetConfig, PoolSpec, SimRequest
 from services.plan.predict import CLOSE_CALL, simulate
@@ -42,6 +44,7 @@ log = logging.getLogger(__name__)
 
 PROMPT = "vllm:request_prompt_tokens"
 OUTPUT = "vllm:request_generation_tokens"
+DRAIN_S = 60.0  # simulated time after the last arrival for the requests in flight to end
 RESIZES = Counter("pdserve_planner_resizes", "P:D splits changed by the live planner")
 
 
@@ -82,23 +85,22 @@ class Histogram:
 
 def read_histograms(text: str, names: tuple[str, ...] = (PROMPT, OUTPUT)) -> dict[str, Histogram]:
     """The histograms `names` of one Prometheus text page (absent ones left out)."""
-    parts: dict[str, dict[str, object]] = {}
+    out: dict[str, Histogram] = {}
     for family in text_string_to_metric_families(text):
         if family.name not in names:
             continue
-        acc = parts.setdefault(family.name, {"count": 0.0, "sum": 0.0, "le": {}})
-        for s in family.samples:
-            if s.name.endswith("_count"):
-                acc["count"] = float(acc["count"]) + s.value  # type: ignore[arg-type]
-            elif s.name.endswith("_sum"):
-                acc["sum"] = float(acc["sum"]) + s.value  # type: ignore[arg-type]
-            elif s.name.endswith("_bucket"):
-                le = float(s.labels["le"])
-                per_le: dict[float, float] = acc["le"]  # type: ignore[assignment]
-                per_le[le] = per_le.get(le, 0.0) + s.value
-    return {name: Histogram(float(a["count"]), float(a["sum"]),  # type: ignore[arg-type]
-                            tuple(sorted(a["le"].items())))  # type: ignore[attr-defined]
-            for name, a in parts.items()}
+        count = total = 0.0
+        per_le: dict[float, float] = {}
+        for sample in family.samples:
+            if sample.name.endswith("_count"):
+                count += sample.value
+            elif sample.name.endswith("_sum"):
+                total += sample.value
+            elif sample.name.endswith("_bucket"):
+                le = float(sample.labels["le"])
+                per_le[le] = per_le.get(le, 0.0) + sample.value
+        out[family.name] = Histogram(count, total, tuple(sorted(per_le.items())))
+    return out
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,7 +196,7 @@ class PlannerSettings:
 class Decision:
     current: tuple[int, int]  # (prefill, decode)
     chosen: tuple[int, int]
-    action: str  # resize | keep | wait (cool-down) | idle (too little traffic)
+    action: Literal["resize", "keep", "wait", "idle"]  # wait: cool-down; idle: too little
     reason: str
     goodput: dict[tuple[int, int], float] = field(default_factory=dict)
 
@@ -225,10 +227,7 @@ class LivePlanner:
         lo, hi = s.min_prefill, total - s.min_decode
         if hi < lo:
             return [current]
-        ps = list(range(lo, hi + 1))
-        if len(ps) > s.max_candidates:
-            step = (len(ps) - 1) / (s.max_candidates - 1)
-            ps = [ps[round(i * step)] for i in range(s.max_candidates)]
+        ps = spread(list(range(lo, hi + 1)), s.max_candidates)
         near = [p for p in (current[0] - 1, current[0], current[0] + 1) if lo <= p <= hi]
         return [(p, total - p) for p in sorted(set(ps) | set(near))]
 
@@ -264,7 +263,7 @@ class LivePlanner:
             left = s.cooldown_s - (now - self.changed_at)
             return Decision(current, current, "wait", f"cooling down for {left:.0f} s more")
         requests, warmup = self.replay(traffic)
-        horizon = s.horizon_s + 60.0
+        horizon = s.horizon_s + DRAIN_S
         goodput = {split: simulate(self.config(split), self.profile, requests, warmup,
                                    traffic.rate, horizon, s.slos).summary["goodput"]
                    for split in self.candidates(current)}
