@@ -109,8 +109,7 @@ async def main(args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
     stack.server.args += ["--no-enable-prefix-caching"]
     if args.no_shm:
         stack.server.args += ["--no-kv-shm"]
-    if args.pin_scheduler:
-        stack.server.args += ["--pin-scheduler"]
+    stack.server.args += ["--pin-scheduler" if args.pin_scheduler else "--no-pin-scheduler"]
     stack.server.start()
     counter = iter(range(10**9))
     short = (prompt_of_length(tokenizer, args.stream_prompt_tokens, salt=f"stream {i}")
@@ -213,8 +212,9 @@ def cli() -> None:
                         help="network KV transport (used when shm is off)")
     parser.add_argument("--no-shm", action="store_true",
                         help="ship KV over the network transport, not same-host shm")
-    parser.add_argument("--pin-scheduler", action="store_true",
-                        help="keep each engine's scheduler process on its engine's core")
+    parser.add_argument("--pin-scheduler", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep each engine's scheduler process on its engine's core "
+                        "(the server's default)")
     parser.add_argument("--json", default="", help="write the summary here as JSON")
     parser.add_argument("--plot", default="", help="write the ITL distributions here (PNG)")
     parser.add_argument("--log-dir", default="bench-results/logs",

@@ -122,8 +122,9 @@ def main() -> None:
                         help="per-token SLO: largest gap between streamed chunks")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS),
                         help="configurations to run")
-    parser.add_argument("--pin-scheduler", action="store_true",
-                        help="keep each engine's scheduler process on its engine's cores")
+    parser.add_argument("--pin-scheduler", action=argparse.BooleanOptionalAction, default=True,
+                        help="keep each engine's scheduler process on its engine's cores "
+                        "(the server's default)")
     parser.add_argument("--runs", default="bench-results/headline",
                         help="folder for each configuration's full bench output")
     parser.add_argument("--json", default="bench-results/headline.json",
@@ -135,7 +136,7 @@ def main() -> None:
     runs = Path(args.runs)
     runs.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"args": vars(args), "configs": {}}
-    extra = ["--pin-scheduler"] if args.pin_scheduler else []
+    extra = ["--pin-scheduler" if args.pin_scheduler else "--no-pin-scheduler"]
     for name in args.configs:
         server = ServerProcess([*CONFIGS[name], "--kv-cache-gib", "2",
                                 "--no-enable-prefix-caching", *extra], runs / f"{name}.log")

@@ -92,14 +92,14 @@ async def start_disagg(session_dir: Path, transport: str, *extra: str,
 
 @pytest.fixture(scope="module")
 async def disagg_grpc(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
-    async for stack in start_disagg(session_dir, "grpc"):
+    # Without the engines' schedulers pinned (the default pins them: the torch stack).
+    async for stack in start_disagg(session_dir, "grpc", "--no-pin-scheduler"):
         yield stack
 
 
 @pytest.fixture(scope="module")
 async def disagg_torch(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
-    # With the engines' schedulers pinned too: the other stack runs the default.
-    async for stack in start_disagg(session_dir, "torch", "--pin-scheduler"):
+    async for stack in start_disagg(session_dir, "torch"):
         yield stack
 
 

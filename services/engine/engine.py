@@ -77,8 +77,7 @@ def pin(pids: set[int], cores: set[int]) -> None:
     core process was found running, or spinning, on the prefill engine's core: each
     engine's spinning took cycles from the other's compute, and decode steps waited for
     a scheduler starved on a busy core. On its own engine's cores the spinner yields to
-    its own partner, but the scheduler's work then serializes with the model's: hence
-    opt-in (`pin_scheduler`).
+    its own partner (`pin_scheduler`, on by default; BENCHMARKS.md, "Handoff stall").
     """
     for pid in pids:
         try:

@@ -184,8 +184,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prof.add_argument("--max-model-len", type=int, default=2048, help="context length")
     prof.add_argument("--max-num-seqs", type=int, default=64,
                       help="most sequences in one step (as the served engines)")
-    prof.add_argument("--pin-scheduler", action="store_true",
-                      help="CPU: profile engines as served with --pin-scheduler")
+    prof.add_argument("--pin-scheduler", action=argparse.BooleanOptionalAction, default=True,
+                      help="CPU: profile engines with their scheduler process pinned to their "
+                      "cores, as served by default (--no-pin-scheduler: as served with that "
+                      "flag)")
     prof.add_argument("--quick", action="store_true",
                       help="a tiny grid on one engine (seconds of measuring; for tests)")
     prof.add_argument("--no-transports", action="store_true", help="skip the KV transports")

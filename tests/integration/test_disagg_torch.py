@@ -1,5 +1,5 @@
-"""The same disaggregated pair with KV over torch.distributed (gloo on CPU), its engines'
-schedulers pinned to the engines' cores (`--pin-scheduler`)."""
+"""The same disaggregated pair with KV over torch.distributed (gloo on CPU), as started by
+default: its engines' schedulers pinned to the engines' cores (`--pin-scheduler`)."""
 
 from __future__ import annotations
 
