@@ -71,13 +71,13 @@ def pin(pids: set[int], cores: set[int]) -> None:
     leaving threads vLLM bound within them (the model's compute threads) as they are.
 
     vLLM binds only the model's compute threads; the engine-core process, which
-    schedules every step, is left wherever the OS puts it. Engine core and model worker
-    wait for each other by spinning (shared-memory queues, `sched_yield` for a second
-    after each message), so on a small host shared by two engines the decode engine's
-    core process was found running, or spinning, on the prefill engine's core: each
-    engine's spinning took cycles from the other's compute, and decode steps waited for
-    a scheduler starved on a busy core. On its own engine's cores the spinner yields to
-    its own partner (`pin_scheduler`, on by default; BENCHMARKS.md, "Handoff stall").
+    schedules every step, is left wherever the OS puts it. On a small host shared by two
+    engines the decode engine's core process was found on the prefill engine's core,
+    where its work for each step waited behind a prefill's compute: the running streams'
+    gaps grew whenever a prefill ran. On its own engine's cores it runs between its own
+    model's steps, which wait for it anyway (`pin_scheduler`, on by default). Its
+    spinning while it waits (`sched_yield` in vLLM's shared-memory queues) is not what
+    cost: taking it away changed nothing (BENCHMARKS.md, "Handoff stall").
     """
     for pid in pids:
         try:
