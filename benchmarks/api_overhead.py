@@ -64,9 +64,10 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     from tqdm import tqdm
 
     from services.api.backend import ColocatedBackend
-    from services.api.server import ServerConfig, generation_service, serve
+    from services.api.public import serve_public
     from services.engine.config import EngineConfig
     from services.engine.engine import Engine
+    from services.server.settings import ServerConfig
     from tests.helpers.prompts import long_text
     from tests.helpers.servers import free_port
 
@@ -75,8 +76,8 @@ async def main(args: argparse.Namespace) -> dict[str, Any]:
     port = free_port()
     stop = asyncio.Event()
     config = ServerConfig(host="127.0.0.1", port=port, metrics_port=0)
-    server = asyncio.create_task(serve(config, [generation_service(ColocatedBackend(engine))],
-                                       "benchmark server", stop=stop))
+    server = asyncio.create_task(serve_public(config, ColocatedBackend(engine),
+                                              "benchmark server", stop=stop))
     ctx = mp.get_context("spawn")
     jobs, results = ctx.Queue(), ctx.Queue()
     client = ctx.Process(target=client_main, args=(f"127.0.0.1:{port}", jobs, results))

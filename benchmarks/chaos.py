@@ -45,20 +45,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.arrivals import ArrivalConfig, send_offsets  # noqa: E402
 from services.bench.faults import Fault, FaultEvent, FaultPlan  # noqa: E402
-from services.bench.records import RequestSpec  # noqa: E402
 from services.bench.targets import GrpcTarget  # noqa: E402
 from services.bench.upstack import UpStack  # noqa: E402
-from services.bench.workload import LengthDist, WorkloadConfig, build_workload  # noqa: E402
+from services.traffic.arrivals import ArrivalConfig, send_offsets  # noqa: E402
+from services.traffic.request import RequestSpec  # noqa: E402
+from services.traffic.workload import LengthDist, WorkloadConfig, build_workload  # noqa: E402
 
 FULL_FAULTS = ["kill-decode@30", "kill-prefill@95", "kill-redis@160", "stop-decode@190:10"]
 QUICK_FAULTS = ["kill-decode@15", "kill-redis@70", "stop-decode@85:10"]
 
 
 def workload(args: argparse.Namespace, n: int) -> list[RequestSpec]:
-    from services.bench.workload import load_tokenizer
     from services.engine.model import resolve_model
+    from services.traffic.workload import load_tokenizer
 
     cfg = WorkloadConfig(
         dataset="mixed", num_requests=n, seed=args.seed,
@@ -220,7 +220,7 @@ async def cpu_watch(stack: UpStack, out: list[dict[str, float]], every_s: float 
 
     # /proc reads off the event loop: one of a process that is mapping or freeing gigabytes
     # (an engine starting or dying) can block for seconds, and every client stream of
-    # this process would seem to stall with it (seen: 8.6 s).
+    # this process would seem to stall with it.
     prev, at = await asyncio.to_thread(busy), time.time()
     while True:
         await asyncio.sleep(every_s)
@@ -254,8 +254,8 @@ def print_chaos(s: dict[str, Any]) -> None:
 
 async def capacity(args: argparse.Namespace, stack: UpStack) -> float:
     """Requests/s the stack completes at a fixed concurrency (closed loop)."""
-    from services.bench.metrics import summarize
     from services.bench.runner import Runner
+    from services.traffic.summary import summarize
 
     arrivals = ArrivalConfig(max_concurrency=args.capacity_concurrency,
                              duration_s=args.capacity_s, seed=args.seed)
@@ -271,9 +271,9 @@ async def capacity(args: argparse.Namespace, stack: UpStack) -> float:
 
 async def soak(args: argparse.Namespace, out: Path) -> dict[str, Any]:
     from services.bench.chaos_report import soak_growth, soak_plot
-    from services.bench.metrics import summarize
     from services.bench.procstats import sample, series
     from services.bench.runner import Runner
+    from services.traffic.summary import summarize
 
     stack = UpStack(out, args.up_arg)
     stack.start()

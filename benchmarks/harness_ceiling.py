@@ -39,11 +39,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "proto")]  # runnable from a plain checkout too
 
-from services.bench.arrivals import ArrivalConfig  # noqa: E402
-from services.bench.metrics import summarize  # noqa: E402
 from services.bench.runner import Runner  # noqa: E402
 from services.bench.targets import GrpcTarget, OpenAITarget, Target  # noqa: E402
-from services.bench.workload import LengthDist, WorkloadConfig, build_workload  # noqa: E402
+from services.traffic.arrivals import ArrivalConfig  # noqa: E402
+from services.traffic.summary import summarize  # noqa: E402
+from services.traffic.workload import LengthDist, WorkloadConfig, build_workload  # noqa: E402
 
 
 @contextmanager

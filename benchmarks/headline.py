@@ -61,8 +61,9 @@ def p99(stats: dict[str, Any]) -> float | None:
 
 def rows_of(out: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
     """Per rate: latency tails, goodput under both SLO families, anatomy per kind."""
-    from services.bench.metrics import SLOs, anatomy_summary, summarize
     from services.bench.report import read_records_jsonl
+    from services.traffic.slo import SLOs
+    from services.traffic.summary import anatomy_summary, summarize
 
     records = read_records_jsonl(out / "requests.jsonl")
     rows = []

@@ -1,19 +1,16 @@
-"""Throughput of the KV transports between two processes on one host.
+"""Throughput of the KV transports between two processes on one host: a command line over
+`services.kv.transport.measure`, which says what a round times.
 
 Moves one prefill's worth of KV (default: 30 layers x (8, 3, 128, 128) fp32 = 47 MB,
-about 1000 tokens of SmolLM2-135M) from a sender in this process to a receiver in a
-spawned process, over each transport, and compares with a 1-thread torch memcpy of the
-same bytes measured in the same run. Time per round: `begin()` until the sender holds the
-receiver's ack, i.e. everything is received, verified and staged. All layers are handed
-over at once (no model compute to overlap with), so this is the transport alone.
+about 1000 tokens of SmolLM2-135M) over each transport, and compares with a 1-thread
+torch memcpy of the same bytes measured in the same run.
 
     python benchmarks/kv_transport.py --rounds 5 --json kv-transport.json
 
-"shm" is the same-host transport (the receiver is the same kind of gRPC receiver, which
-serves shm on its address). Each checksum algorithm is also timed alone over the payload
-(1 thread), and `--checksum` picks what the transports' senders compute. Both processes
-run with tcmalloc in front where it is installed, as pdserve's CPU engines (and so their
-KV receivers) do; `--allocator system` measures glibc's malloc.
+Each checksum algorithm is also timed alone over the payload (1 thread), and `--checksum`
+picks what the transports' senders compute. Both processes run with tcmalloc in front
+where it is installed, as pdserve's CPU engines (and so their KV receivers) do;
+`--allocator system` measures glibc's malloc.
 
 `--device cuda` (a GPU host) puts the layers in GPU memory and gives both ends the GPU
 as `ipc_device`, so "shm" runs device to device over CUDA IPC; the reference is then a
@@ -24,13 +21,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing as mp
 import os
-import resource
 import statistics
 import sys
-import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -42,19 +35,14 @@ except ImportError:  # run from a checkout without installing the package
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.engine.config import preload_allocator
-from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.transport import (
-    TransferSpec,
-    TransportConfig,
-    checksum,
-    cuda_ipc,
-    make_receiver,
-    make_sender,
-    make_shm_sender,
+from services.kv.transport import TransportConfig, checksum
+from services.kv.transport.measure import (
+    measure_checksums,
+    measure_copy,
+    measure_transport,
+    payload_bytes,
+    random_layers,
 )
-from services.kv.transport.frames import byte_view
-
-FP = LayoutFingerprint("smollm2-135m", "float32", 128, 30, 3, 64, "bench", "bench")
 
 
 def with_tls(config: TransportConfig) -> TransportConfig:
@@ -70,142 +58,6 @@ def with_tls(config: TransportConfig) -> TransportConfig:
     files = certs.internal_files(directory, "decode")
     return dataclasses.replace(config, tls_ca_file=str(files.ca),
                                tls_cert_file=str(files.cert), tls_key_file=str(files.key))
-
-
-def cpu_seconds() -> float:
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def receiver_main(kind: str, config: TransportConfig, conn: Any) -> None:
-    """Child process: serve, and hand back each transfer's timing when asked."""
-    torch.set_num_threads(1)
-    if config.ipc_device:
-        torch.cuda.set_device(torch.device(config.ipc_device))
-    rx_kind = "grpc" if kind == "shm" else kind
-    rx = make_receiver(rx_kind, PeerIdentity("bench-decode", 1, FP), config, "127.0.0.1", 0)
-    conn.send(rx.address)
-    while True:
-        msg = conn.recv()
-        if msg[0] == "take":
-            _, tid, verify = msg
-            state = rx.wait(tid, 60.0)  # type: ignore[attr-defined]
-            got = rx.take(tid)
-            if got is None:
-                conn.send({"ok": False, "state": state.value, "error": rx.error(tid)})
-                continue
-            crc = 0
-            if verify:
-                for layer in got.layers:
-                    crc = zlib.crc32(byte_view(layer.cpu()), crc)
-            conn.send({"ok": True, "span_s": got.last_byte_ts - got.first_byte_ts, "crc": crc})
-            rx.release(got)  # as the connector does after copying the blocks out
-        elif msg[0] == "cpu":
-            conn.send(cpu_seconds())
-        else:
-            rx.close()
-            conn.send("bye")
-            return
-
-
-def bench_memcpy(nbytes: int, rounds: int, device: str = "cpu") -> dict[str, Any]:
-    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    dst.copy_(src)  # fault the pages in first
-    times = []
-    for _ in range(rounds):
-        _sync(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return {"times_s": times}
-
-
-def _sync(device: str) -> None:
-    if device != "cpu":
-        torch.cuda.synchronize(device)
-
-
-def bench_checksums(layers: list[torch.Tensor], rounds: int) -> dict[str, Any]:
-    """Each algorithm over the whole payload, layer by layer, on this thread (the host
-    algorithms over host copies of GPU layers, the GPU digest where the layers are)."""
-    views = [byte_view(t.cpu()) for t in layers]
-    digests: dict[str, Any] = {
-        name: (lambda v, name=name: checksum.digest(name, v), views)
-        for name in checksum.ALGORITHMS}
-    if layers[0].is_cuda:
-        digests[cuda_ipc.DEVICE_CHECKSUM] = (cuda_ipc.device_digest, layers)
-    out: dict[str, Any] = {}
-    for name, (digest, items) in digests.items():
-        times = []
-        for _ in range(rounds + 1):
-            t0 = time.perf_counter()
-            for item in items:
-                digest(item)
-            times.append(time.perf_counter() - t0)
-        out[name] = {"times_s": times[1:]}
-    return out
-
-
-def bench_transport(
-    kind: str, layers: list[torch.Tensor], config: TransportConfig, rounds: int, warmup: int
-) -> dict[str, Any]:
-    ctx = mp.get_context("spawn")
-    parent, child = ctx.Pipe()
-    proc = ctx.Process(target=receiver_main, args=(kind, config, child), daemon=True)
-    proc.start()
-    address = parent.recv()
-    me = PeerIdentity("bench-prefill", 1, FP)
-    if kind == "shm":
-        sender = make_shm_sender(me, config, make_sender("grpc", me, config))
-    else:
-        sender = make_sender(kind, me, config)
-    expected_crc = 0
-    for layer in layers:
-        expected_crc = zlib.crc32(byte_view(layer.cpu()), expected_crc)
-    times, spans, tx_cpu_total, rx_cpu_total = [], [], 0.0, 0.0
-    try:
-        for i in range(warmup + rounds):
-            tid = f"{kind}-{i}"
-            spec = TransferSpec(
-                tid, len(layers), tuple(layers[0].shape), layers[0].dtype, 1000, 1, FP.digest()
-            )
-            verify = i == warmup + rounds - 1
-            parent.send(("cpu",))
-            rx_cpu0, tx_cpu0 = parent.recv(), cpu_seconds()
-            t0 = time.monotonic()
-            sender.begin(address, spec)
-            for idx, layer in enumerate(layers):
-                sender.send_layer(tid, idx, layer)
-            sender.end(tid)
-            outcome = sender.poll_finished(wait_s=120.0)
-            elapsed = time.monotonic() - t0
-            tx_cpu = cpu_seconds() - tx_cpu0
-            if not outcome or not outcome[0].ok:
-                raise RuntimeError(f"{kind} round {i} failed: {outcome}")
-            parent.send(("take", tid, verify))
-            got = parent.recv()
-            parent.send(("cpu",))
-            rx_cpu = parent.recv() - rx_cpu0
-            if not got["ok"] or (verify and got["crc"] != expected_crc):
-                raise RuntimeError(f"{kind} round {i}: receiver got {got}")
-            if i >= warmup:
-                times.append(elapsed)
-                spans.append(got["span_s"])
-                tx_cpu_total += tx_cpu
-                rx_cpu_total += rx_cpu
-    finally:
-        sender.close()
-        parent.send(("stop",))
-        parent.recv()
-        proc.join(10)
-    return {
-        "times_s": times,
-        "receiver_span_s": spans,
-        "sender_cpu_s": tx_cpu_total,
-        "receiver_cpu_s": rx_cpu_total,
-    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -278,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     shape = tuple(int(x) for x in args.shape.split(","))
     dtype = getattr(torch, args.dtype)
     device = "cuda:0" if args.device == "cuda" else "cpu"
-    layers = [torch.randn(shape).to(dtype).to(device) for _ in range(args.layers)]
-    nbytes = sum(t.numel() * t.element_size() for t in layers)
+    layers = random_layers(args.layers, shape, dtype, device)
+    nbytes = payload_bytes(layers)
     config = TransportConfig(
         chunk_bytes=args.chunk_bytes,
         max_message_bytes=max(8 << 20, args.chunk_bytes + (1 << 20)),
@@ -287,14 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         ipc_device=device if device != "cpu" else "",
     )
 
-    results: dict[str, Any] = {"memcpy": bench_memcpy(nbytes, max(args.rounds, 5), device)}
-    sums = bench_checksums(layers, max(args.rounds, 5))
+    results: dict[str, Any] = {
+        "memcpy": {"times_s": measure_copy(nbytes, max(args.rounds, 5), device)}}
+    sums: dict[str, Any] = {name: {"times_s": times} for name, times in
+                            measure_checksums(layers, max(args.rounds, 5)).items()}
     tls_config = with_tls(config) if args.tls else None
     for kind in args.transports.split(","):
-        results[kind] = bench_transport(kind, layers, config, args.rounds, args.warmup)
+        results[kind] = measure_transport(kind, layers, config, args.rounds,
+                                          args.warmup).as_dict()
         if tls_config is not None and kind in ("grpc", "torch"):
-            results[f"{kind}+tls"] = bench_transport(kind, layers, tls_config, args.rounds,
-                                                     args.warmup)
+            results[f"{kind}+tls"] = measure_transport(kind, layers, tls_config, args.rounds,
+                                                       args.warmup).as_dict()
 
     ref = nbytes / statistics.median(results["memcpy"]["times_s"]) / 1e9
     gb_moved = nbytes / 1e9

@@ -24,12 +24,12 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.arrivals import ArrivalConfig  # noqa: E402
-from services.bench.metrics import SLOs  # noqa: E402
-from services.bench.workload import LengthDist, WorkloadConfig  # noqa: E402
 from services.plan.costmodel import Profile, StepCost  # noqa: E402
 from services.plan.fleet import Fleet, FleetConfig, PoolSpec  # noqa: E402
 from services.plan.predict import schedule, slo_attainment  # noqa: E402
+from services.traffic.arrivals import ArrivalConfig  # noqa: E402
+from services.traffic.slo import SLOs  # noqa: E402
+from services.traffic.workload import LengthDist, WorkloadConfig  # noqa: E402
 
 PROFILE = ROOT / "services/plan/profiles/llama-3.1-8b-h100.json"
 

@@ -29,12 +29,12 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.arrivals import ArrivalConfig  # noqa: E402
-from services.bench.metrics import SLOs  # noqa: E402
-from services.bench.workload import LengthDist, WorkloadConfig  # noqa: E402
 from services.plan.costmodel import Profile  # noqa: E402
 from services.plan.fleet import FleetConfig, PoolSpec  # noqa: E402
 from services.plan.predict import predict_all  # noqa: E402
+from services.traffic.arrivals import ArrivalConfig  # noqa: E402
+from services.traffic.slo import SLOs  # noqa: E402
+from services.traffic.workload import LengthDist, WorkloadConfig  # noqa: E402
 
 # headline.py's configurations, as `serve` runs them: one engine on both cores, or one
 # prefill and one decode engine on a core each, routed by the router's load policy.

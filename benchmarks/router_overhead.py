@@ -86,7 +86,7 @@ def simulated_workers(redis_url: str, pace_s: float, ready: Any,
         wpb_grpc.add_PrefillServiceServicer_to_server(SimulatedPrefillWorker(), server)
         wpb_grpc.add_DecodeServiceServicer_to_server(SimulatedDecodeWorker(pace_s), server)
         from services.security import certs
-        from services.security.policy import add_internal_port
+        from services.server.ports import add_internal_port
 
         files = certs.internal_files(internal_tls_dir, "decode") if internal_tls_dir else None
         port = add_internal_port(server, "127.0.0.1:0", files)
@@ -158,12 +158,11 @@ class Security:
 
     def worker_channel(self, address: str) -> grpc.aio.Channel:
         """The direct baseline: the worker as the router reaches it."""
-        from services.rpc import grpc_options
         from services.security import certs
-        from services.security.policy import internal_channel
+        from services.server.channels import dial
 
         files = certs.internal_files(self.certs_dir, "router") if self.internal else None
-        return internal_channel(address, files, grpc_options())
+        return dial(address, files)
 
 
 SECURITY = Security()

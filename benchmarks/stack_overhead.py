@@ -29,8 +29,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from services.bench.records import RequestSpec  # noqa: E402
 from services.bench.targets import ChunkEvent, GrpcTarget, OpenAITarget, Target  # noqa: E402
+from services.traffic.request import RequestSpec  # noqa: E402
 from tests.helpers.servers import ServerProcess, free_port, stop_group  # noqa: E402
 
 ENGINE_FLAGS = ["--kv-cache-gib", "1", "--no-enable-prefix-caching"]

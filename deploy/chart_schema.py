@@ -6,8 +6,11 @@ settings models, so that the chart accepts exactly the settings pdserve has.
 
 Each settings block of the chart (`server`, `engine`, `worker`, `router.settings`,
 `kuberay.launcher`, and the per-role overrides) takes field names as keys; the chart
-turns each into PDSERVE_<FIELD>. The fields the chart sets itself (hosts, ports, model
-path, Redis URL, pool sizes) are left out, so values cannot contradict the manifests.
+turns each into PDSERVE_<FIELD>. `config.<role>` is a whole settings file
+(`settingsFile`: its sections and their keys, services/config_sections.py) that the
+chart mounts for `pdserve <role> --config`. The fields the chart sets itself (hosts,
+ports, model path, Redis URL, pool sizes, credentials) are left out of both, so values
+cannot contradict the manifests.
 tests/unit/test_helm_chart.py fails when this output and the schema differ.
 """
 
@@ -35,7 +38,12 @@ MANAGED: dict[str, frozenset[str]] = {
     "RouterConfig": frozenset({"redis_url", "router_model"}),
     # stack_tls: the chart mounts certificates, `pdserve up` makes none.
     "LauncherConfig": frozenset({"prefill", "decode", "ray_address", "stack_tls"}),
+    # the cluster secret's file, mounted from the chart's Secret (values.security).
+    "ClusterStateConfig": frozenset({"cluster_secret", "cluster_secret_file",
+                                     "allow_unsigned_records"}),
 }
+# Settings file sections with nothing a pod may set (`local`: `serve --mode disagg`).
+FILE_SECTIONS_LEFT_OUT = frozenset({"local", "cluster"})
 
 # values.schema.json definition name -> settings model.
 DEFINITIONS = {
@@ -63,7 +71,7 @@ def settings_definition(model: Any) -> dict[str, Any]:
     for name in model.model_fields:
         if name in managed:
             continue
-        prop = {k: v for k, v in fields[name].items() if k != "title"}
+        prop = {k: v for k, v in fields[name].items() if k not in ("title", "advanced")}
         properties[name] = dict(sorted(prop.items()))
     return {
         "type": "object",
@@ -74,9 +82,34 @@ def settings_definition(model: Any) -> dict[str, Any]:
     }
 
 
+def settings_file_definition() -> dict[str, Any]:
+    """A settings file's schema: its sections, each taking its model's fields."""
+    from services.config_sections import section_models
+
+    properties = {}
+    for section, model in section_models().items():
+        if section in FILE_SECTIONS_LEFT_OUT:
+            continue
+        definition = settings_definition(model)
+        definition["description"] = (
+            f"`{section}:` {model.__name__} fields; the chart sets "
+            f"{', '.join(sorted(MANAGED[model.__name__]))} itself")
+        properties[section] = definition
+    return {
+        "type": "object",
+        "description": "a pdserve settings file (docs/configuration.md); the chart's own "
+                       "PDSERVE_* variables win over it",
+        "additionalProperties": False,
+        "properties": properties,
+    }
+
+
 def settings_definitions() -> dict[str, dict[str, Any]]:
     by_name = models()
-    return {key: settings_definition(by_name[model]) for key, model in DEFINITIONS.items()}
+    definitions = {key: settings_definition(by_name[model])
+                   for key, model in DEFINITIONS.items()}
+    definitions["settingsFile"] = settings_file_definition()
+    return definitions
 
 
 def main(argv: list[str]) -> int:

@@ -10,11 +10,11 @@ import logging
 import sys
 from typing import Any
 
-from services.api.server import ServerConfig
 from services.engine.config import EngineConfig
+from services.launcher.local_pair import add_disagg_arguments
 from services.registry.config import ClusterStateConfig
 from services.router.config import RouterConfig
-from services.router.local import add_disagg_arguments
+from services.server.settings import ServerConfig
 from services.settings import add_arguments, from_arguments
 from services.worker.config import WorkerConfig
 
@@ -42,15 +42,15 @@ def cmd_model_prepare(args: argparse.Namespace) -> int:
 # -- serve --------------------------------------------------------------------------
 async def _serve_colocated(engine_cfg: EngineConfig, server_cfg: ServerConfig) -> None:
     from services.api.backend import ColocatedBackend
-    from services.api.server import generation_service, serve
+    from services.api.public import serve_public
     from services.engine.engine import Engine
 
     engine = Engine(engine_cfg)
     engine.start()
     try:
         backend = ColocatedBackend(engine)
-        await serve(server_cfg, [generation_service(backend)],
-                    f"pdserve (colocated) serving {engine.served_name}", http_backend=backend)
+        await serve_public(server_cfg, backend,
+                           f"pdserve (colocated) serving {engine.served_name}")
     finally:
         engine.shutdown()
 
@@ -81,7 +81,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if args.mode == "colocated":
             asyncio.run(_serve_colocated(engine_cfg, server_cfg))
         else:
-            from services.router.local import serve_disaggregated
+            from services.launcher.local_pair import serve_disaggregated
 
             asyncio.run(serve_disaggregated(engine_cfg, server_cfg, args))
     except ModelPrepareError as e:
@@ -128,7 +128,8 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from services.launcher.up import run_up, stack_from_args
+    from services.launcher.settings import stack_from_args
+    from services.launcher.up import run_up
     from services.plan.live import PlannerError
 
     stack = stack_from_args(args)
@@ -143,7 +144,7 @@ def cmd_up(args: argparse.Namespace) -> int:
 
 
 def cmd_scale(args: argparse.Namespace) -> int:
-    from services.launcher.up import set_desired
+    from services.launcher.scale import set_desired
 
     update = {k: v for k, v in (("prefill", args.prefill), ("decode", args.decode))
               if v is not None}
@@ -157,7 +158,7 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
-    from services.launcher.up import set_desired
+    from services.launcher.scale import set_desired
 
     try:
         asyncio.run(set_desired(args.redis_url, {"down": True}, args.cluster_secret_file))
@@ -165,6 +166,18 @@ def cmd_down(args: argparse.Namespace) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     print("asked the stack to shut down")
+    return 0
+
+
+# -- config -------------------------------------------------------------------------
+SETTINGS_COMMANDS = ("up", "serve", "router", "prefill", "decode")
+
+
+def cmd_config_show(args: argparse.Namespace) -> int:
+    from services.config_file import show
+
+    target = build_parser().parse_args([args.for_command, *args.command_flags])
+    print(show(target, args.for_command), end="")
     return 0
 
 
@@ -278,6 +291,8 @@ def build_parser() -> argparse.ArgumentParser:
     prep.add_argument("--force", action="store_true", help="convert again even if cached")
     prep.set_defaults(func=cmd_model_prepare)
 
+    from services.config_file import add_config_argument
+
     serve = sub.add_parser("serve", help="serve the public gRPC API")
     serve.add_argument("--mode", choices=["colocated", "disagg"], default="colocated",
                        help="colocated: one engine does prefill and decode; disagg: a local "
@@ -285,6 +300,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve, EngineConfig)
     add_arguments(serve, ServerConfig)
     add_disagg_arguments(serve)
+    add_config_argument(serve)
     serve.set_defaults(func=cmd_serve)
 
     for role, text in (("prefill", "run prompts and ship their KV to decode workers"),
@@ -294,6 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
         add_arguments(worker, ServerConfig)
         add_arguments(worker, WorkerConfig)
         add_arguments(worker, ClusterStateConfig)
+        add_config_argument(worker)
         worker.set_defaults(func=cmd_worker, role=role)
 
     router = sub.add_parser("router", help="the router: the public API in front of prefill "
@@ -301,9 +318,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(router, RouterConfig)
     add_arguments(router, ClusterStateConfig)
     add_arguments(router, ServerConfig)
+    add_config_argument(router)
     router.set_defaults(func=cmd_router)
 
-    from services.launcher.up import LauncherConfig
+    from services.launcher.settings import LauncherConfig
 
     up = sub.add_parser("up", help="start the router, prefill and decode pools on Ray (and "
                         "redis-server when no --redis-url is given); stops on Ctrl-C or "
@@ -314,6 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(up, WorkerConfig, exclude=("redis_url", "worker_id"))
     add_arguments(up, ServerConfig)
     add_arguments(up, ClusterStateConfig)
+    add_config_argument(up)
     up.set_defaults(func=cmd_up)
 
     scale = sub.add_parser("scale", help="change the pool sizes of a running `pdserve up`")
@@ -331,6 +350,16 @@ def build_parser() -> argparse.ArgumentParser:
     down.add_argument("--redis-url", default="", help="the stack's Redis; default: the "
                       "local stack's")
     down.set_defaults(func=cmd_down)
+
+    config = sub.add_parser("config", help="settings files").add_subparsers(
+        dest="config_command", required=True, metavar="SUBCOMMAND")
+    show = config.add_parser(
+        "show", help="print a command's effective settings (flag > PDSERVE_* variable > "
+        "--config file > default) as a settings file, secrets masked; the command's own "
+        "flags and --config follow --for")
+    show.add_argument("--for", dest="for_command", required=True, choices=SETTINGS_COMMANDS,
+                      help="the command whose settings to show")
+    show.set_defaults(func=cmd_config_show, takes_command_flags=True)
 
     gen = sub.add_parser("generate", help="stream an answer from a running server")
     gen.add_argument("prompt", help="the prompt text")
@@ -383,7 +412,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    # `config show` passes the flags it does not know on to the command it shows.
+    args, extra = parser.parse_known_args(argv)
+    args.command_flags = extra
+    if extra and not getattr(args, "takes_command_flags", False):
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     logging.basicConfig(
         level=args.log_level.upper(),
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -14,7 +14,7 @@ import time
 from tqdm import tqdm
 
 from services.api.client import PdserveClient
-from services.rpc import free_port
+from services.server.channels import free_port
 
 
 async def _wait_and_ask(args: argparse.Namespace, port: int, server: subprocess.Popen[bytes],

@@ -1,11 +1,15 @@
 """One source of truth for configuration: typed settings models.
 
-Every field is settable three ways, in this order of precedence: a CLI flag
+Every field is settable four ways, in this order of precedence: a CLI flag
 (`--kv-cache-gib 2`), an environment variable with the `PDSERVE_` prefix
-(`PDSERVE_KV_CACHE_GIB=2`), or the default here. `add_arguments` derives the flags from
-the fields, so flags, env names and docs cannot drift apart (the Helm chart and the
-README's configuration table are checked against these models by tests;
-`services/config_doc.py` writes the reference from them).
+(`PDSERVE_KV_CACHE_GIB=2`), a key of a settings file given with `--config`
+(`engine: {kv_cache_gib: 2}`, `services/config_file.py`), or the default here.
+`add_arguments` derives the flags from the fields, so flags, env names, file keys and
+docs cannot drift apart (the Helm chart and the configuration reference are checked
+against these models by tests; `services/config_doc.py` writes the reference from them).
+
+A field marked `json_schema_extra={"advanced": True}` is an expert knob (timeouts,
+staging sizes, keepalives, ...): `--help` lists it apart, under "advanced".
 """
 
 from __future__ import annotations
@@ -13,11 +17,33 @@ from __future__ import annotations
 import argparse
 import types
 import typing
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from pydantic_settings import BaseSettings
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, EnvSettingsSource
+
+from services.config_sections import section_of
 
 S = TypeVar("S", bound=BaseSettings)
+
+# Where the parsed `--config` file and the settings a command exposes live in the
+# parsed arguments.
+CONFIG_DEST = "config_file"
+EXPOSED_DEST = "settings_exposed"
+ADVANCED_TITLE = "advanced"
+
+
+@dataclass(frozen=True, slots=True)
+class SettingsFile:
+    """A parsed, checked settings file: each settings model's values, by field name."""
+
+    path: str
+    values: Mapping[type[BaseSettings], Mapping[str, Any]]
+
+    def values_for(self, model: type[BaseSettings]) -> Mapping[str, Any]:
+        return self.values.get(model, {})
 
 
 def flag_name(field: str) -> str:
@@ -29,6 +55,17 @@ def env_name(model: type[BaseSettings], field: str) -> str:
     return (prefix + field).upper()
 
 
+def is_advanced(field: FieldInfo) -> bool:
+    extra = field.json_schema_extra
+    return isinstance(extra, dict) and bool(extra.get("advanced"))
+
+
+def summary(model: type[BaseSettings]) -> str:
+    """The first line of the model's docstring, without the env prefix note."""
+    first = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
+    return first.replace(" Env prefix PDSERVE_.", "").strip()
+
+
 def _base_type(annotation: Any) -> Any:
     """`int | None` -> int; `Literal[...]` stays as is."""
     if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
@@ -37,32 +74,84 @@ def _base_type(annotation: Any) -> Any:
     return annotation
 
 
+def _group(parser: argparse.ArgumentParser, title: str,
+           description: str | None = None) -> argparse._ArgumentGroup:
+    """The parser's argument group titled `title`, made when missing."""
+    for group in parser._action_groups:
+        if group.title == title:
+            return group
+    return parser.add_argument_group(title, description)
+
+
+def _advanced_group(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    return _group(parser, ADVANCED_TITLE, "expert knobs a first deployment leaves at their "
+                  "defaults (timeouts, staging sizes, keepalives, checksums, limits)")
+
+
+def _advanced_last(parser: argparse.ArgumentParser) -> None:
+    """List the advanced group after every section's own, however many models follow."""
+    for group in parser._action_groups:
+        if group.title == ADVANCED_TITLE:
+            parser._action_groups.remove(group)
+            parser._action_groups.append(group)
+            return
+
+
+def _expose(parser: argparse.ArgumentParser, model: type[BaseSettings],
+            fields: list[str]) -> None:
+    """Record that `parser`'s command takes these fields of `model` (`config show`)."""
+    exposed: dict[type[BaseSettings], tuple[str, ...]] = dict(
+        parser.get_default(EXPOSED_DEST) or {})
+    exposed[model] = (*exposed.get(model, ()), *fields)
+    parser.set_defaults(**{EXPOSED_DEST: exposed})
+
+
 def add_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings],
                   exclude: tuple[str, ...] = (), only: tuple[str, ...] = ()) -> None:
-    """Add one flag per settings field (but `exclude`; only `only` when given). Flags
+    """Add one flag per settings field (but `exclude`; only `only` when given), grouped
+    in `--help` by the model's section of the settings file, expert knobs apart. Flags
     default to "not given" so that only what the user typed overrides the environment."""
-    group = parser.add_argument_group(f"{model.__name__} (env prefix PDSERVE_)")
-    for name, field in model.model_fields.items():
-        if name in exclude or (only and name not in only):
-            continue
+    section = section_of(model)
+    about = summary(model).rstrip(".")
+    group = (_group(parser, section, f"{about} (settings file section `{section}:`)")
+             if section else _group(parser, model.__name__, about))
+    names = [n for n in model.model_fields if n not in exclude and (not only or n in only)]
+    _expose(parser, model, names)
+    for name in names:
+        field = model.model_fields[name]
         base = _base_type(field.annotation)
         default = field.get_default(call_default_factory=True)
-        help_text = f"{field.description or ''} [env {env_name(model, name)}; default {default!r}]"
+        key = f"file {section}.{name}; " if section else ""
+        help_text = (f"{field.description or ''} [env {env_name(model, name)}; {key}"
+                     f"default {default!r}]")
         kwargs: dict[str, Any] = {"dest": name, "default": argparse.SUPPRESS, "help": help_text}
+        target = _advanced_group(parser) if is_advanced(field) else group
         if base is bool:
-            group.add_argument(
-                flag_name(name), action=argparse.BooleanOptionalAction, **kwargs
-            )
+            target.add_argument(flag_name(name), action=argparse.BooleanOptionalAction,
+                                **kwargs)
             continue
         if typing.get_origin(base) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(base))
             kwargs["type"] = type(kwargs["choices"][0])
         elif base in (int, float, str):
             kwargs["type"] = base
-        group.add_argument(flag_name(name), metavar=name.upper(), **kwargs)
+        target.add_argument(flag_name(name), metavar=name.upper(), **kwargs)
+    _advanced_last(parser)
+
+
+def exposed_settings(args: argparse.Namespace) -> dict[type[BaseSettings], tuple[str, ...]]:
+    """The settings models (and their fields) the parsed command takes flags for."""
+    return dict(getattr(args, EXPOSED_DEST, None) or {})
 
 
 def from_arguments(model: type[S], args: argparse.Namespace) -> S:
-    """Build settings from env + defaults, overridden by the flags that were given."""
+    """Build settings from the flags that were given, over the environment, over the
+    `--config` file's section of this model, over the defaults."""
     given = {k: v for k, v in vars(args).items() if k in model.model_fields}
-    return model(**given)
+    file: SettingsFile | None = getattr(args, CONFIG_DEST, None)
+    if file is None:
+        return model(**given)
+    # The file's values go in below what the environment sets: the model's own sources
+    # would rank any keyword argument above its environment.
+    env = EnvSettingsSource(model)()
+    return model(**{**file.values_for(model), **env, **given})

@@ -19,8 +19,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
-from services.rpc import MAX_MESSAGE_BYTES, grpc_options
 from services.security.tls import TLSFiles, channel_credentials
+from services.server.channels import MAX_MESSAGE_BYTES, grpc_options
 from services.wire import FINISH_NAMES
 
 
@@ -77,7 +77,7 @@ class PdserveClient:
     """A client of the public API. `api_key` is sent as `authorization: Bearer <key>` on
     every call; `tls` makes the channel TLS (its `ca`: the server's CA, the system's roots
     when unset; its `cert`/`key`: a client certificate for mTLS). `channel` replaces the
-    channel altogether (e.g. `services.rpc.dial` for a worker's internal port)."""
+    channel altogether (e.g. `services.server.channels.dial` for a worker's internal port)."""
 
     def __init__(self, target: str = "127.0.0.1:50051",
                  max_message_bytes: int = MAX_MESSAGE_BYTES, *, api_key: str = "",

@@ -8,6 +8,7 @@ import uuid
 from typing import TYPE_CHECKING
 
 from pdserve.v1 import generate_pb2 as pb
+from services import limits as model_limits
 from services.api import validation
 from services.api.prompts import render
 from services.engine.engine import ModelFacts
@@ -17,7 +18,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
-def prepare(request: pb.GenerateRequest, limits: validation.Limits,
+def prepare(request: pb.GenerateRequest, limits: model_limits.Limits,
             tokenizer: PreTrainedTokenizerBase, timeout_s: float | None = None,
             client_id: str = "") -> GenerationRequest:
     """Validate and tokenize; raises `InvalidRequest`/`ModelNotFound` naming the bad
@@ -26,12 +27,12 @@ def prepare(request: pb.GenerateRequest, limits: validation.Limits,
     validation.check_request_id(request.request_id)
     validation.check_model(request.model, limits)
     prompt = validation.check_input(request, limits)
-    sampling = validation.check_sampling(request.sampling, limits)
+    sampling = model_limits.check_sampling(request.sampling, limits)
     prompt_ids = render(prompt, tokenizer)
-    max_tokens = validation.resolve_max_tokens(sampling, len(prompt_ids), limits)
+    max_tokens = model_limits.resolve_max_tokens(sampling, len(prompt_ids), limits)
     return GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling, max_tokens, timeout_s,
                              client_id, request.request_id)
 
 
-def limits_of(facts: ModelFacts) -> validation.Limits:
-    return validation.Limits(facts.name, facts.max_model_len, facts.vocab_size)
+def limits_of(facts: ModelFacts) -> model_limits.Limits:
+    return model_limits.Limits(facts.name, facts.max_model_len, facts.vocab_size)

@@ -1,7 +1,8 @@
 """The public gRPC generation service: a thin shell that converts protobuf to the
 backend's terms and back (`services/wire.py`). Validation lives in `validation`, prompt
 rendering in `prompts`, the serving itself in a `Backend`, the status of every failure
-in `services/errors.py`."""
+in `services/errors.py` (answered by the server's error interceptor,
+`services/server/errors.py`: handlers here raise)."""
 
 from __future__ import annotations
 
@@ -18,20 +19,14 @@ from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from services import wire
 from services.api.backend import Backend
 from services.api.prepare import limits_of, prepare
-from services.errors import RETRY_AFTER_KEY, InvalidRequest, grpc_status, retry_after_ms
+from services.errors import Aborted, InvalidRequest
 from services.observability import tracing
 from services.security.apikeys import client_id
+from services.server.grpc_server import Service
 
 log = logging.getLogger(__name__)
 
-
-async def abort_with(context: grpc.aio.ServicerContext, e: BaseException) -> None:
-    """End the call with `e`'s status (and a retry hint for overload)."""
-    code, message = grpc_status(e)
-    hint = retry_after_ms(e)
-    if hint is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_KEY, str(hint)),))
-    await context.abort(code, message)
+GENERATION_SERVICE = pb.DESCRIPTOR.services_by_name["GenerationService"].full_name
 
 
 def parse_request(data: bytes) -> pb.GenerateRequest | InvalidRequest:
@@ -53,17 +48,12 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     ) -> AsyncIterator[pb.GenerateResponse | bytes]:
         started = time.monotonic()
         if isinstance(request, InvalidRequest):
-            await abort_with(context, request)
-            return
-        try:
-            metadata = dict(context.invocation_metadata() or ())
-            req = prepare(request, self.limits, self.backend.tokenizer,
-                          context.time_remaining(),
-                          client_id(str(metadata.get("x-client-id", ""))))
-            if tracing.enabled():  # the client's traceparent: its trace continues here
-                req = replace(req, trace_headers=tracing.carried(metadata.items()))
-        except Exception as e:
-            await abort_with(context, e)
+            raise request
+        metadata = dict(context.invocation_metadata() or ())
+        req = prepare(request, self.limits, self.backend.tokenizer, context.time_remaining(),
+                      client_id(str(metadata.get("x-client-id", ""))))
+        if tracing.enabled():  # the client's traceparent: its trace continues here
+            req = replace(req, trace_headers=tracing.carried(metadata.items()))
         completion_tokens = 0
         ttft_s = 0.0
         stream = self.backend.generate(req)
@@ -80,12 +70,10 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                     yield wire.final_pb(delta, request.request_id or req.request_id,
                                         len(req.prompt_token_ids), completion_tokens)
                     return
-        except Exception as e:
-            await abort_with(context, e)
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
         # The engine stream ended without a finished output: it was aborted.
-        await context.abort(grpc.StatusCode.ABORTED, "the request was aborted by the server")
+        raise Aborted("the request was aborted by the server")
 
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
@@ -104,3 +92,21 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if f.bos_token_id is not None:
             info.bos_token_id = f.bos_token_id
         return info
+
+
+def generation_service(backend: Backend) -> Service:
+    servicer = GenerationServicer(backend)
+    # As the generated `add_GenerationServiceServicer_to_server`, but requests that do not
+    # parse reach the servicer as an error to answer INVALID_ARGUMENT with (grpc would
+    # answer a deserializer's exception with an opaque UNKNOWN), and chunks forwarded
+    # from a worker go out as the bytes they came in.
+    handlers = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate, request_deserializer=parse_request,
+            response_serializer=wire.serialize_response),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.GetModelInfoResponse.SerializeToString),
+    }
+    generic = grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
+    return Service(GENERATION_SERVICE, lambda server: server.add_generic_rpc_handlers((generic,)))

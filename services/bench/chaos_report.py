@@ -19,8 +19,8 @@ import numpy as np
 from matplotlib.figure import Figure
 
 from services.bench.faults import FaultEvent
-from services.bench.records import RequestRecord
 from services.bench.tokens import Tokens
+from services.traffic.record import RequestRecord
 
 
 def arrivals(rec: RequestRecord) -> list[float]:

@@ -10,7 +10,6 @@ import argparse
 import asyncio
 import functools
 import json
-import math
 import sys
 import time
 from collections.abc import Callable
@@ -18,44 +17,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from services.bench.arrivals import PROCESSES, ArrivalConfig
 from services.bench.compare import compare_table, load_summary, write_compare_report
 from services.bench.distributed import RayDriver
-from services.bench.metrics import SLOs
 from services.bench.report import text_summary, write_report
 from services.bench.runner import Driver, Runner, rate_label, sweep
 from services.bench.targets import PROMPT_MODES, GrpcTarget, OpenAITarget, Target
-from services.bench.workload import (
-    DATASETS,
-    DISTRIBUTIONS,
-    LengthDist,
-    WorkloadConfig,
-    build_workload,
-    load_tokenizer,
-)
 from services.security.client_flags import add_client_security_flags, client_security
+from services.traffic.flags import (
+    HelpFormatter,
+    add_arrival_args,
+    add_workload_args,
+    arrival_config,
+    request_count,
+    workload_config,
+)
+from services.traffic.slo import parse_slos
+from services.traffic.workload import build_workload, load_tokenizer
 
-DEFAULT_REQUESTS = 200
-SLO_NAMES = ("ttft", "tpot", "itl", "e2e")
-
-
-class _Formatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Appends "(default: X)" unless the help text already says what the default is."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.help and "default" in action.help:
-            return action.help
-        return super()._get_help_string(action)
-
-
-_FMT = _Formatter
-
-
-def _rate(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"rate must be > 0 (or inf), got {text}")
-    return value
+_FMT = HelpFormatter
 
 
 def _add_target_args(p: argparse.ArgumentParser) -> None:
@@ -91,69 +70,6 @@ def _add_target_args(p: argparse.ArgumentParser) -> None:
                    help="CPUs each generator actor reserves in Ray (0: no reservation)")
 
 
-def _add_workload_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("workload")
-    g.add_argument("--dataset", choices=DATASETS, default="random", help="request source")
-    g.add_argument("--dataset-path", default=None,
-                   help="ShareGPT JSON file, or prompts file (.txt one per line, .jsonl "
-                   "with a 'prompt' field) (default: none)")
-    g.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                   help="local model folder whose tokenizer counts lengths; needed for "
-                   "sharegpt, prompts and --prompt-as text (default: none)")
-    g.add_argument("--vocab-size", type=int, default=None,
-                   help="token id range for random prompts (default: the tokenizer's)")
-    g.add_argument("--num-requests", type=int, default=None,
-                   help=f"requests per run (default: {DEFAULT_REQUESTS}; with --duration: "
-                   "enough for the duration)")
-    g.add_argument("--input-len", type=int, default=256, help="mean prompt tokens")
-    g.add_argument("--output-len", type=int, default=None,
-                   help="mean output tokens (default: 128; sharegpt: the reply's length)")
-    g.add_argument("--len-dist", choices=DISTRIBUTIONS, default="uniform",
-                   help="length distribution (spread 0 gives fixed lengths)")
-    g.add_argument("--input-spread", type=float, default=0.0,
-                   help="input length spread (uniform: +-share of the mean; normal: std / "
-                   "mean; lognormal: sigma)")
-    g.add_argument("--output-spread", type=float, default=0.0, help="output length spread")
-    g.add_argument("--num-prefixes", type=int, default=4, help="shared-prefix: prefixes")
-    g.add_argument("--prefix-len", type=int, default=512, help="shared-prefix: prefix tokens")
-    g.add_argument("--long-share", type=float, default=0.1,
-                   help="mixed: share of long prompts among chat-length requests")
-    g.add_argument("--long-input-len", type=int, default=1800, help="mixed: long prompt tokens")
-    g.add_argument("--long-output-len", type=int, default=16, help="mixed: long output tokens")
-    g.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals")
-
-
-def _add_arrival_args(p: argparse.ArgumentParser, sweep: bool) -> None:
-    g = p.add_argument_group("arrivals")
-    if sweep:
-        g.add_argument("--rates", type=_rate, nargs="+", required=True,
-                       help="request rates to sweep (requests/s; inf sends all at once; "
-                       "required, no default)")
-        g.add_argument("--sweep-pause", type=float, default=0.0,
-                       help="seconds to wait between rates")
-    else:
-        g.add_argument("--rate", type=_rate, default=math.inf,
-                       help="request rate (requests/s); inf sends all at once")
-    g.add_argument("--arrival", choices=PROCESSES, default="poisson",
-                   help="arrival process")
-    g.add_argument("--burstiness", type=float, default=1.0,
-                   help="gamma shape for --arrival gamma (<1 burstier, >1 steadier)")
-    g.add_argument("--ramp-from", type=float, default=None,
-                   help="start rate of a linear ramp to the rate (default: no ramp)")
-    g.add_argument("--ramp-s", type=float, default=0.0, help="ramp length in seconds")
-    g.add_argument("--max-concurrency", type=int, default=None,
-                   help="at most this many requests in flight (default: no cap)")
-    g.add_argument("--duration", type=float, default=None,
-                   help="stop sending after this many seconds (default: no limit)")
-    g.add_argument("--drain-timeout", type=float, default=30.0,
-                   help="with --duration: seconds to wait for in-flight requests, then "
-                   "cancel them")
-    g.add_argument("--warmup-requests", type=int, default=0,
-                   help="first N requests are sent but left out of the metrics")
-    g.add_argument("--warmup-s", type=float, default=0.0,
-                   help="requests sent in the first S seconds are left out of the metrics")
-
-
 def _add_output_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("output")
     g.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
@@ -181,8 +97,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                            description="Runs at several request rates, one after another.")
     for p, is_sweep in ((run, False), (sweep, True)):
         _add_target_args(p)
-        _add_workload_args(p)
-        _add_arrival_args(p, is_sweep)
+        add_workload_args(p)
+        add_arrival_args(p, is_sweep)
         _add_output_args(p)
     run.set_defaults(func=cmd_run)
     sweep.set_defaults(func=cmd_sweep)
@@ -194,55 +110,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                      help="also write side-by-side plots and compare.html here "
                      "(default: table only)")
     cmp.set_defaults(func=cmd_compare)
-
-
-def parse_slos(items: list[str]) -> SLOs:
-    bounds: dict[str, float] = {}
-    for item in (part for text in items for part in text.split(",") if part):
-        name, sep, value = item.partition("=")
-        if not sep or name.strip() not in SLO_NAMES:
-            raise ValueError(f"bad SLO {item!r}: use NAME=SECONDS with NAME in {SLO_NAMES}")
-        bounds[f"{name.strip()}_s"] = float(value)
-    return SLOs(**bounds)
-
-
-def workload_config(args: argparse.Namespace, num_requests: int) -> WorkloadConfig:
-    def dist(mean: int, spread: float) -> LengthDist:
-        return LengthDist(mean, args.len_dist, spread)
-
-    return WorkloadConfig(
-        dataset=args.dataset, num_requests=num_requests, seed=args.seed,
-        input_len=dist(args.input_len, args.input_spread),
-        output_len=dist(args.output_len or 128, args.output_spread), path=args.dataset_path,
-        num_prefixes=args.num_prefixes, prefix_len=args.prefix_len,
-        long_share=args.long_share, long_input_len=LengthDist(args.long_input_len),
-        long_output_len=LengthDist(args.long_output_len),
-        sharegpt_output_from_file=args.output_len is None, vocab_size=args.vocab_size,
-        with_text=args.prompt_as == "text")
-
-
-def arrival_config(args: argparse.Namespace, rate: float) -> ArrivalConfig:
-    if args.burstiness != 1.0 and args.arrival != "gamma":
-        raise ValueError("--burstiness needs --arrival gamma")
-    return ArrivalConfig(
-        rate=rate, process=args.arrival, burstiness=args.burstiness, ramp_from=args.ramp_from,
-        ramp_s=args.ramp_s, max_concurrency=args.max_concurrency, duration_s=args.duration,
-        warmup_requests=args.warmup_requests, warmup_s=args.warmup_s, seed=args.seed)
-
-
-def request_count(args: argparse.Namespace, rates: list[float]) -> int:
-    """--num-requests, or with only --duration a count the duration cannot run out of."""
-    if args.num_requests is not None:
-        return int(args.num_requests)
-    if args.duration is None:
-        return DEFAULT_REQUESTS
-    top = max([*rates, args.ramp_from or 0.0])
-    if math.isinf(top):
-        if args.max_concurrency is None:
-            raise ValueError("--duration at an infinite rate needs --max-concurrency or "
-                             "--num-requests")
-        return 1_000_000  # a closed loop until the duration ends; specs are reused
-    return math.ceil(top * args.duration * 1.5) + 16
 
 
 def build_target(args: argparse.Namespace) -> Target:

@@ -11,9 +11,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-from services.bench.metrics import ANATOMY_SEGMENTS
-from services.bench.records import RequestRecord
 from services.bench.report import read_records_jsonl, render_html
+from services.traffic.latency import ANATOMY_SEGMENTS
+from services.traffic.record import RequestRecord
 
 # (key path, label, higher is better)
 ROWS: list[tuple[tuple[str, ...], str, bool]] = [

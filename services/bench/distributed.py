@@ -22,10 +22,10 @@ from typing import Any
 
 from tqdm import tqdm
 
-from services.bench.arrivals import ArrivalConfig
-from services.bench.records import RequestSpec
 from services.bench.runner import Runner, RunResult, Share
 from services.bench.targets import Target
+from services.traffic.arrivals import ArrivalConfig
+from services.traffic.request import RequestSpec
 
 # Actors need a moment to receive the specs and wake up before the first send.
 START_DELAY_S = 2.0

@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from services.bench.metrics import ANATOMY_SEGMENTS, itls, tpot
-from services.bench.records import RequestRecord
+from services.traffic.latency import ANATOMY_SEGMENTS, itls, tpot
+from services.traffic.record import RequestRecord
 
 LATENCIES = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL (per chunk gap)"),
              ("e2e_s", "E2E"))

@@ -17,7 +17,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from services.bench.records import RequestSpec
+from services.traffic.request import RequestSpec
 
 
 def main() -> None:

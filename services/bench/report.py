@@ -22,9 +22,11 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
-from services.bench.metrics import ANATOMY_SEGMENTS, SLOs, itls, summarize, tpot
-from services.bench.records import RequestRecord, ServerTimings
 from services.bench.runner import RunResult
+from services.traffic.latency import ANATOMY_SEGMENTS, itls, tpot
+from services.traffic.record import RequestRecord, ServerTimings
+from services.traffic.slo import SLOs
+from services.traffic.summary import summarize
 
 SUMMARY_COLUMNS = [
     "label", "rate", "requests", "completed", "failed", "duration_s", "request_throughput",

@@ -1,8 +1,8 @@
 """Drives one run or a rate sweep against a target and fills one record per request.
 
-The dispatch loop sends request i at its scheduled offset (``arrivals``), waiting first
-for a concurrency slot when a cap is set, so requests leave in order and a capped run
-is a closed loop. Every request runs as its own task; the run ends when all have
+The dispatch loop sends request i at its scheduled offset (``services.traffic.arrivals``),
+waiting first for a concurrency slot when a cap is set, so requests leave in order and a
+capped run is a closed loop. Every request runs as its own task; the run ends when all have
 finished, or at ``duration_s + drain_timeout_s``, when the rest are cancelled (which
 aborts them server-side) and recorded as ``CANCELLED_BY_CLIENT``. Nothing here busy-waits:
 the loop sleeps until the next send.
@@ -28,10 +28,11 @@ from typing import Protocol
 import numpy as np
 from tqdm import tqdm
 
-from services.bench.arrivals import ArrivalConfig, send_offsets
-from services.bench.metrics import tpot
-from services.bench.records import RequestRecord, RequestSpec
 from services.bench.targets import ChunkEvent, Target, TargetError
+from services.traffic.arrivals import ArrivalConfig, send_offsets
+from services.traffic.latency import tpot
+from services.traffic.record import RequestRecord
+from services.traffic.request import RequestSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,9 @@ import aiohttp
 import grpc
 
 from pdserve.v1 import generate_pb2, generate_pb2_grpc
-from services.bench.records import RequestSpec, ServerTimings
 from services.security.tls import TLSFiles, channel_credentials
+from services.traffic.record import ServerTimings
+from services.traffic.request import RequestSpec
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # gRPC's default receive limit is only 4 MiB
 PROMPT_MODES = ("token-ids", "text")

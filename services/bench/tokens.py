@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from services.bench.records import RequestRecord, RequestSpec
 from services.bench.runner import Runner, _Run
 from services.bench.targets import (
     ChunkEvent,
@@ -26,6 +25,8 @@ from services.bench.targets import (
     TargetError,
     _final_from_proto,
 )
+from services.traffic.record import RequestRecord
+from services.traffic.request import RequestSpec
 
 
 @dataclass(slots=True)

@@ -25,7 +25,7 @@ import psutil
 from services.registry.records import WorkerRecord
 from services.registry.registry import Registry
 from services.registry.signing import RecordSigner
-from services.rpc import free_port
+from services.server.channels import free_port
 
 
 class UpStack:

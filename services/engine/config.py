@@ -62,8 +62,8 @@ def preload_allocator(allocator: str, current: str) -> str:
     """LD_PRELOAD for the engine's processes with the chosen allocator in front.
 
     vLLM's CPU backend asks for tcmalloc: glibc malloc fragments under the varying
-    activation sizes of long prefills, and a prefill engine's RSS then grows about
-    1 MiB per request without levelling off (BENCHMARKS.md, "Chaos and soak").
+    activation sizes of long prefills, so a prefill engine's RSS keeps growing with the
+    requests it serves.
     """
     if allocator == "system" or "tcmalloc" in current:
         return current
@@ -97,7 +97,8 @@ class EngineConfig(BaseSettings):
         "auto", description="weights/activations dtype; auto = float32 on CPU, model's on GPU"
     )
     max_model_len: int = Field(2048, ge=16, description="context length (prompt + output)")
-    block_size: int = Field(0, ge=0, description="KV block size in tokens; 0 = vLLM's default")
+    block_size: int = Field(0, ge=0, description="KV block size in tokens; 0 = vLLM's default",
+                            json_schema_extra={"advanced": True})
     # vLLM reads VLLM_CPU_KVCACHE_SPACE as a whole number and fails to start on "0.5".
     kv_cache_gib: int = Field(
         1, ge=1, description="CPU: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)"
@@ -113,10 +114,11 @@ class EngineConfig(BaseSettings):
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
     max_queued_requests: int = Field(
         256, ge=0, description="requests waiting for their first token in this engine; "
-        "beyond, RESOURCE_EXHAUSTED with a retry hint (0 = no bound)")
+        "beyond, RESOURCE_EXHAUSTED with a retry hint (0 = no bound)",
+        json_schema_extra={"advanced": True})
     max_queued_prompt_tokens: int = Field(
         131072, ge=0, description="prompt tokens waiting for their first token in this "
-        "engine; beyond, RESOURCE_EXHAUSTED (0 = no bound)")
+        "engine; beyond, RESOURCE_EXHAUSTED (0 = no bound)", json_schema_extra={"advanced": True})
     max_num_batched_tokens: int = Field(
         0, ge=0, description="token budget per step (chunked prefill size); 0 = vLLM's "
         "default (`pdserve up` on a CPU host: 512 unless set)")
@@ -124,7 +126,7 @@ class EngineConfig(BaseSettings):
         0, ge=0, description="most tokens of one prompt per step: longer prompts prefill in "
         "chunks this size, so a request that arrives behind a long prompt waits one chunk, "
         "not the whole prefill (vLLM's --long-prefill-token-threshold; 0 = no limit; "
-        "`pdserve up` on a CPU host: 256 unless set)")
+        "`pdserve up` on a CPU host: 256 unless set)", json_schema_extra={"advanced": True})
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(
         True, description="skip torch.compile and graph capture (faster start-up)"
@@ -133,29 +135,30 @@ class EngineConfig(BaseSettings):
     engine_nice: int = Field(
         10, ge=0, le=19, description="CPU: niceness the engine's processes get above this "
         "process's, so RPCs, health checks and the router preempt model compute on shared "
-        "cores (0 = same priority)")
-    # Why and at what cost: engine.py's `pin`, and BENCHMARKS.md, "Handoff stall".
+        "cores (0 = same priority)", json_schema_extra={"advanced": True})
+    # Why: engine.py's `pin`.
     pin_scheduler: bool = Field(
         True, description="CPU: also keep vLLM's engine-core (scheduler) process on "
-        "cpu_cores, which vLLM leaves wherever the OS puts it. Measured on 2 cores, prefill "
-        "and decode on one each: handoffs' cost to running streams (ITL p99 with/without "
-        "handoffs) 1.11-1.18 against 1.43-1.61 unpinned, the median step unchanged; an "
-        "engine on all cores is unaffected")
+        "cpu_cores, which vLLM leaves wherever the OS puts it; on a host shared by a "
+        "prefill and a decode engine this keeps each scheduler off the other engine's "
+        "cores, so handoffs stall running streams less; an engine on all cores is "
+        "unaffected", json_schema_extra={"advanced": True})
     allocator: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",
         description="CPU: memory allocator of the engine's processes (LD_PRELOAD); auto = "
         "tcmalloc when installed (libtcmalloc-minimal4), else glibc malloc with a warning",
+        json_schema_extra={"advanced": True},
     )
     # A prefill engine meets a new step size (token count) with almost every step, and
     # oneDNN keeps a GEMM primitive per size and shape in a process-wide cache (1024 by
-    # default) on top of the 32 per layer vLLM keeps itself: measured here, the model
-    # worker grew ~250 MB over the first few hundred prompt lengths with it and stayed
-    # flat without it, at the same prefill speed within noise.
+    # default) on top of the 32 per layer vLLM keeps itself: with that cache the model
+    # worker's memory grows with every new prompt length. Off by default, since a new
+    # step size recreates its primitives either way; only sizes seen before can hit it.
     onednn_primitive_cache: int = Field(
         0, ge=0, description="CPU: GEMM primitives oneDNN keeps across layers "
         "(ONEDNN_PRIMITIVE_CACHE_CAPACITY; vLLM's per-layer cache of 32 is kept either "
         "way); each new step size adds to it, so above 0 a prefill engine's memory grows "
-        "with the sizes it has seen, up to the cap")
+        "with the sizes it has seen, up to the cap", json_schema_extra={"advanced": True})
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
@@ -172,7 +175,7 @@ class EngineConfig(BaseSettings):
         return self
 
     def resolved_dtype(self) -> str:
-        # bf16 has no native support on AVX2 CPUs: fp32 decodes ~3x faster there.
+        # bf16 has no native support on AVX2 CPUs, where fp32 decodes faster.
         if self.dtype == "auto":
             return "float32" if cpu_only() else "auto"
         return self.dtype
@@ -197,11 +200,10 @@ class EngineConfig(BaseSettings):
 
 
 # A step cannot be interrupted: with vLLM's CPU budget (2048 tokens) one long prompt's
-# prefill holds the engine 4-5 s on a core of a small host, and after a worker dies the
-# survivor's re-prefills keep new requests and moved streams waiting for whole such
-# steps. Bounded, no step holds more than 512 prompt tokens (under a second there) and
-# the chaos benchmark met its time goals, with no loss of capacity (BENCHMARKS.md,
-# "Chaos and soak"). GPU steps are short at vLLM's own budget.
+# prefill holds the engine for seconds on a core of a small host, and after a worker dies
+# the survivor's re-prefills keep new requests and moved streams waiting for whole such
+# steps. Bounded, no step holds more than 512 prompt tokens, so a new request or a moved
+# stream waits one chunk, not a whole prompt. GPU steps are short at vLLM's own budget.
 CPU_STEP_BOUNDS = {"max_num_batched_tokens": 512, "long_prefill_token_threshold": 256}
 
 

@@ -54,7 +54,8 @@ def renice(pids: set[int], offset: int) -> None:
     On a CPU host the model's compute threads and the serving plane (this worker's RPCs
     and health answers, the router, the KV receiver's control stream) share cores; at
     equal priority a busy engine delays them by whole scheduler slices, which clients see
-    as stalls and the router's liveness probe as a hang (BENCHMARKS.md, "Handoff stall").
+    as stalls and the router's liveness probe as a hang. A lower priority lets the
+    serving plane preempt model compute.
     """
     import psutil
 
@@ -72,12 +73,10 @@ def pin(pids: set[int], cores: set[int]) -> None:
 
     vLLM binds only the model's compute threads; the engine-core process, which
     schedules every step, is left wherever the OS puts it. On a small host shared by two
-    engines the decode engine's core process was found on the prefill engine's core,
-    where its work for each step waited behind a prefill's compute: the running streams'
-    gaps grew whenever a prefill ran. On its own engine's cores it runs between its own
-    model's steps, which wait for it anyway (`pin_scheduler`, on by default). Its
-    spinning while it waits (`sched_yield` in vLLM's shared-memory queues) is not what
-    cost: taking it away changed nothing (BENCHMARKS.md, "Handoff stall").
+    engines it can land on the other engine's core, where its work for each step waits
+    behind that engine's compute, and the running streams' gaps grow whenever the other
+    engine prefills. On its own engine's cores it runs between its own model's steps,
+    which wait for it anyway (`pin_scheduler`, on by default).
     """
     for pid in pids:
         try:

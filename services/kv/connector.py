@@ -7,33 +7,15 @@ half (`SchedulerSide`: which blocks to ship or fill, and when to free them); in 
 worker process it is the worker half (`Producer` ships layers during the forward pass,
 `Consumer` receives transfers and copies blocks into the paged cache).
 
-Settings come in `kv_connector_extra_config` (see `ConnectorSettings`). Beside the
-identity and addressing keys the worker service sets, these tune the KV channel (a key
-that is missing takes the default shown):
-
-* `checksum` (str, "crc32c"): the payload checksum this worker's sender computes: "crc32c"
-  (hardware CRC-32C), "xxh3" (64-bit XXH3) or "crc32" (zlib, slow). The algorithm travels
-  in each transfer's header; a receiver verifies whatever the sender used among these
-  and refuses any other.
-* `shm` (bool, True): same-host KV through shared-memory segments. On a prefill worker:
-  ship to a decode worker whose `same_host` param is set through shm (else over the
-  network, counted in `pdserve_kv_transport_fallbacks_total{reason}`); on a decode
-  worker: accept shm transfers on the receiver's address.
-* `cuda_ipc` (bool, True): where both workers of a same-host pair run on GPUs, shm
-  transfers go device to device over CUDA IPC (the decode worker lends its GPU memory;
-  no host copy) instead of through host segments. Off: host segments.
-* `header_timeout_s` (float, 10.0): a KV stream whose first frame has not arrived by
-  then is cancelled, so idle connections cannot hold the receiver's handler threads.
-* `max_streams` (int, 32): inbound streams (transfers and torch pairs) the receiver
-  serves at once; one more is refused at once with RESOURCE_EXHAUSTED.
+Its configuration is `KVSettings` (services/kv/settings.py), the one definition of the
+keys of `kv_connector_extra_config`, their defaults and what each tunes: the worker
+service writes it, `__init__` reads it back and refuses a key it does not know.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -50,11 +32,11 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from services.kv.consumer import Consumer
 from services.kv.fingerprint import PeerIdentity
 from services.kv.layout import fingerprint_of
-from services.kv.params import PdserveConnectorMetadata
+from services.kv.metadata import PdserveConnectorMetadata
 from services.kv.producer import Producer
 from services.kv.scheduler_side import SchedulerSide
+from services.kv.settings import KVSettings
 from services.kv.stats import FALLBACKS, FallbackMetrics, PdserveKVStats
-from services.kv.transport import TransportConfig
 
 if TYPE_CHECKING:
     import torch
@@ -65,37 +47,6 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class ConnectorSettings:
-    """`kv_connector_extra_config` keys, set by the prefill and decode services."""
-
-    worker_id: str
-    epoch: int
-    kv_host: str = "127.0.0.1"  # consumer: where the KV receiver binds
-    kv_port: int = 0  # consumer: its port; 0 = any free one, written to `port_file`
-    port_file: str = ""  # consumer: where the bound port is written for the service
-    kv_transport: str = "grpc"  # consumer: receiver kind
-    lease_s: float = 30.0  # producer: blocks held at most this long for an unacked transfer
-    load_timeout_s: float = 30.0  # consumer: longest wait for a complete transfer
-    unknown_grace_s: float = 5.0  # consumer: how long an unseen transfer may take to appear
-    chunk_bytes: int = 1 << 20
-    checksum: str = "crc32c"  # both: the algorithm this worker's sender computes
-    max_streams: int = 32  # consumer: inbound streams served at once
-    shm: bool = True  # both: same-host transfers through shared memory
-    cuda_ipc: bool = True  # both: same-host GPU pairs go device to device (needs shm)
-    header_timeout_s: float = 10.0  # consumer: longest wait for a stream's first frame
-    staging_max_bytes: int = 0  # consumer: most bytes staged (0 = the transport's default)
-    tls_ca_file: str = ""  # both: internal mTLS of the KV channels (all three, or none)
-    tls_cert_file: str = ""
-    tls_key_file: str = ""
-    allow_faults: bool = False  # fault injection (tests, failure drills)
-
-    @classmethod
-    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
-        known = {k: extra[k] for k in cls.__dataclass_fields__ if k in extra}
-        return cls(**known)
 
 
 def publish_port(path: str, address: str) -> None:
@@ -125,7 +76,7 @@ class PdserveConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         kv = self._kv_transfer_config
-        self.settings = ConnectorSettings.from_extra(dict(kv.kv_connector_extra_config or {}))
+        self.settings = KVSettings.from_dict(kv.kv_connector_extra_config or {})
         self.is_producer = bool(kv.is_kv_producer)
         block_size = int(vllm_config.cache_config.block_size)
         self.scheduler: SchedulerSide | None = None
@@ -135,22 +86,10 @@ class PdserveConnector(KVConnectorBase_V1):
             self.scheduler = SchedulerSide(block_size, self.is_producer)
             return
         s = self.settings
-        identity = PeerIdentity(s.worker_id, int(s.epoch), fingerprint_of(vllm_config))
-        config = TransportConfig(
-            chunk_bytes=s.chunk_bytes,
-            lease_s=s.lease_s,
-            checksum=s.checksum,
-            max_streams=int(s.max_streams),
-            shm=bool(s.shm),
-            ipc_device=_ipc_device(vllm_config) if s.shm and s.cuda_ipc else "",
-            header_timeout_s=float(s.header_timeout_s),
-            tls_ca_file=s.tls_ca_file, tls_cert_file=s.tls_cert_file,
-            tls_key_file=s.tls_key_file,
-        )
-        if s.staging_max_bytes:
-            config = dataclasses.replace(config, max_staged_bytes=int(s.staging_max_bytes))
+        identity = PeerIdentity(s.worker_id, s.epoch, fingerprint_of(vllm_config))
+        config = s.transport_config(_ipc_device(vllm_config))
         if self.is_producer:
-            self.producer = Producer(identity, config, s.lease_s, s.allow_faults, bool(s.shm))
+            self.producer = Producer(identity, config, s.lease_s, s.allow_faults, s.shm)
         else:
             self.consumer = Consumer(
                 identity,

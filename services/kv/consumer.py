@@ -10,13 +10,8 @@ from dataclasses import dataclass
 import torch
 
 from services.kv.fingerprint import PeerIdentity
-from services.kv.params import (
-    FAULT_NOISE_KV,
-    LoadJob,
-    LoadReport,
-    LoadReports,
-    PdserveConnectorMetadata,
-)
+from services.kv.metadata import LoadJob, LoadReports, PdserveConnectorMetadata
+from services.kv.params import FAULT_NOISE_KV, LoadReport
 from services.kv.transport import ReceivedKV, ReceiveState, TransportConfig, make_receiver
 
 log = logging.getLogger(__name__)
@@ -92,37 +87,41 @@ class Consumer:
             )
 
     def _apply(self, job: LoadJob, kv: ReceivedKV) -> LoadReport:
-        report = LoadReport(
+        try:
+            error = self._copy_in(job, kv)
+        finally:
+            self.receiver.release(kv)
+        return LoadReport(
             job.req_id,
             job.transfer_id,
-            ok=False,
+            ok=not error,
             nbytes=kv.nbytes,
             first_byte_wall=kv.first_byte_wall,
             last_byte_wall=kv.last_byte_wall,
+            chunks=kv.chunks,
+            checksum_s=kv.checksum_s,
+            error=error,
         )
-        try:
-            shipped = kv.spec.layer_shape[0]
-            wanted = job.remote_first_block + len(job.local_block_ids)
-            if len(kv.layers) != len(self._caches) or shipped < wanted:
-                report.error = (
-                    f"transfer holds {len(kv.layers)} layers x {shipped} blocks; "
-                    f"need {len(self._caches)} x {wanted}"
-                )
-                return report
-            ids = torch.tensor(job.local_block_ids, dtype=torch.long)
-            first, last = job.remote_first_block, wanted
-            for cache, layer in zip(self._caches, kv.layers, strict=True):
-                if layer.shape[1:] != cache.shape[1:] or layer.dtype != cache.dtype:
-                    report.error = f"layer shape {tuple(layer.shape)} does not fit the cache"
-                    return report
-                src = layer[first:last]
-                if job.fault == FAULT_NOISE_KV and self.allow_faults:
-                    src = torch.randn_like(src)
-                cache.index_copy_(0, ids.to(cache.device), src.to(cache.device))
-            report.ok = True
-            return report
-        finally:
-            self.receiver.release(kv)
+
+    def _copy_in(self, job: LoadJob, kv: ReceivedKV) -> str:
+        """Copy the job's blocks into the paged cache; why not, or "" once done."""
+        shipped = kv.spec.layer_shape[0]
+        wanted = job.remote_first_block + len(job.local_block_ids)
+        if len(kv.layers) != len(self._caches) or shipped < wanted:
+            return (
+                f"transfer holds {len(kv.layers)} layers x {shipped} blocks; "
+                f"need {len(self._caches)} x {wanted}"
+            )
+        ids = torch.tensor(job.local_block_ids, dtype=torch.long)
+        first, last = job.remote_first_block, wanted
+        for cache, layer in zip(self._caches, kv.layers, strict=True):
+            if layer.shape[1:] != cache.shape[1:] or layer.dtype != cache.dtype:
+                return f"layer shape {tuple(layer.shape)} does not fit the cache"
+            src = layer[first:last]
+            if job.fault == FAULT_NOISE_KV and self.allow_faults:
+                src = torch.randn_like(src)
+            cache.index_copy_(0, ids.to(cache.device), src.to(cache.device))
+        return ""
 
     def _finish(self, rid: str, report: LoadReport) -> None:
         self._waiting.pop(rid, None)

@@ -1,19 +1,22 @@
-"""What travels between the halves of the connector and the services around it.
+"""What the services around the connector and the connector's scheduler half tell each
+other, through vLLM's `kv_transfer_params` (plain dicts):
 
-`kv_transfer_params` is the only channel from a service to the connector's scheduler
-half (it rides on the request's SamplingParams); `PdserveConnectorMetadata` goes from
-the scheduler half to the worker half every step; `LoadReports` comes back.
+* in: the "pdserve" entry of a request's SamplingParams: `SendParams` on a prefill
+  request (ship the prompt's KV there), `RecvParams` on a decode request (the prompt's
+  first tokens come by transfer);
+* out: the `pdserve_load` entry of a decode request's final output: `LoadReport`, how
+  the load went.
+
+What the connector's two halves tell each other every step is in `metadata`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self
 
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (
-    KVConnectorMetadata,
-    KVConnectorWorkerMetadata,
-)
+from services.kv.contract import Contract
 
 KEY = "pdserve"  # our entry in kv_transfer_params
 LOAD_KEY = "pdserve_load"  # the decode side's report, on its final output
@@ -36,107 +39,82 @@ def check_fault(fault: str, allowed: bool) -> None:
         )
 
 
-def send_params(
-    transfer_id: str,
-    kv_address: str,
-    kv_transport: str,
-    decode_epoch: int,
-    decode_fingerprint: str,
-    fault: str = "",
-    same_host: bool = False,
-) -> dict[str, Any]:
-    """kv_transfer_params of a prefill request: ship the prompt's KV there.
+class _Entry(Contract):
+    """The "pdserve" entry of `kv_transfer_params`: the record's fields and its `role`."""
 
-    `same_host`: the decode worker runs on this worker's host (the router sets it when
-    the two records share `host`); the producer then ships through shared memory when
-    shm is enabled, else over `kv_transport`, and counts why.
-    """
-    return {
-        KEY: {
-            "role": "send",
-            "transfer_id": transfer_id,
-            "kv_address": kv_address,
-            "kv_transport": kv_transport,
-            "decode_epoch": decode_epoch,
-            "decode_fingerprint": decode_fingerprint,
-            "fault": fault,
-            "same_host": bool(same_host),
-        }
-    }
+    __slots__ = ()
+    ROLE: ClassVar[str]
+
+    def to_params(self) -> dict[str, Any]:
+        """The request's whole `kv_transfer_params`."""
+        return {KEY: {"role": self.ROLE, **self.to_dict()}}
+
+    @classmethod
+    def of(cls, kv_transfer_params: Mapping[str, Any] | None) -> Self | None:
+        """The request's entry of this role; None where it carries none (or the other
+        role's); ValueError where it is malformed."""
+        entry = (kv_transfer_params or {}).get(KEY)
+        if not isinstance(entry, Mapping) or entry.get("role") != cls.ROLE:
+            return None
+        return cls.from_dict({k: v for k, v in entry.items() if k != "role"})
 
 
-def recv_params(transfer_id: str, num_tokens: int, fault: str = "") -> dict[str, Any]:
-    """kv_transfer_params of a decode request: the first `num_tokens` come by transfer."""
-    return {
-        KEY: {"role": "recv", "transfer_id": transfer_id, "num_tokens": num_tokens, "fault": fault}
-    }
+@dataclass(frozen=True, slots=True)
+class SendParams(_Entry):
+    """A prefill request's entry: ship the prompt's KV to this decode worker."""
+
+    ROLE: ClassVar[str] = "send"
+
+    transfer_id: str
+    kv_address: str  # the decode worker's KV receiver, "host:port"
+    kv_transport: str  # its network transport ("grpc" or "torch")
+    decode_epoch: int  # its epoch; a receiver that restarted since refuses the transfer
+    decode_fingerprint: str  # the KV layout digest it must have
+    fault: str = ""  # fault injection (FAULTS)
+    # The decode worker runs on this worker's host (the router sets it when the two
+    # records share `host`): the producer then ships through shared memory where shm is
+    # on, else over `kv_transport`, and counts why.
+    same_host: bool = False
 
 
-def ours(kv_transfer_params: dict[str, Any] | None, role: str) -> dict[str, Any] | None:
-    entry = (kv_transfer_params or {}).get(KEY)
-    return entry if isinstance(entry, dict) and entry.get("role") == role else None
+@dataclass(frozen=True, slots=True)
+class RecvParams(_Entry):
+    """A decode request's entry: its prompt's first `num_tokens` come by this transfer."""
+
+    ROLE: ClassVar[str] = "recv"
+
+    transfer_id: str
+    num_tokens: int
+    fault: str = ""  # fault injection (FAULTS)
 
 
-@dataclass(slots=True)
-class SaveJob:
-    """Ship these blocks of a finished prompt, layer by layer, during this step."""
+@dataclass(frozen=True, slots=True)
+class LoadReport(Contract):
+    """How one load went: reported by the worker half to the scheduler half (in
+    `metadata.LoadReports`), which hands it on as the `pdserve_load` entry of the
+    request's final output (`to_output` / `of_output`)."""
 
     req_id: str  # vLLM's internal id
     transfer_id: str
-    kv_address: str
-    kv_transport: str
-    decode_epoch: int
-    decode_fingerprint: str
-    block_ids: list[int]
-    num_tokens: int
-    fault: str = ""
-    same_host: bool = False  # the receiver shares this host: shared memory may be used
+    ok: bool  # the blocks were copied into the paged cache
+    nbytes: int = 0  # payload bytes received
+    first_byte_wall: float = 0.0  # time.time() when the transfer's header arrived
+    last_byte_wall: float = 0.0  # time.time() when its last byte was verified
+    chunks: int = 0  # payload pieces received (gRPC data frames; whole layers otherwise)
+    checksum_s: float = 0.0  # the receiver's time verifying those pieces' checksums
+    error: str = ""  # why it failed
 
+    def to_output(self) -> dict[str, Any]:
+        """The final output's `kv_transfer_params`."""
+        return {LOAD_KEY: self.to_dict()}
 
-@dataclass(slots=True)
-class LoadJob:
-    """Fill these local blocks from a transfer once it is complete."""
-
-    req_id: str
-    transfer_id: str
-    local_block_ids: list[int]
-    remote_first_block: int  # the first shipped block that lands in local_block_ids[0]
-    fault: str = ""
-
-
-@dataclass(slots=True)
-class PdserveConnectorMetadata(KVConnectorMetadata):
-    saves: list[SaveJob] = field(default_factory=list)
-    loads: list[LoadJob] = field(default_factory=list)
-    cancelled_loads: list[str] = field(default_factory=list)  # req ids aborted while waiting
-
-
-@dataclass(slots=True)
-class LoadReport:
-    """How one load went, reported by the worker half to the scheduler half."""
-
-    req_id: str
-    transfer_id: str
-    ok: bool
-    nbytes: int = 0
-    first_byte_wall: float = 0.0
-    last_byte_wall: float = 0.0
-    error: str = ""
-
-    def as_params(self) -> dict[str, Any]:
-        return {
-            "ok": self.ok,
-            "bytes": self.nbytes,
-            "first_byte_wall": self.first_byte_wall,
-            "last_byte_wall": self.last_byte_wall,
-            "error": self.error,
-        }
-
-
-@dataclass(slots=True)
-class LoadReports(KVConnectorWorkerMetadata):
-    reports: list[LoadReport] = field(default_factory=list)
-
-    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        assert isinstance(other, LoadReports)
-        return LoadReports(self.reports + other.reports)
+    @classmethod
+    def of_output(cls, kv_transfer_params: Mapping[str, Any] | None) -> LoadReport | None:
+        """The report on a final output (None: nothing was loaded for the request)."""
+        entry = (kv_transfer_params or {}).get(LOAD_KEY)
+        if entry is None:
+            return None
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"LoadReport: {LOAD_KEY!r} holds {type(entry).__name__}, "
+                             "not a mapping")
+        return cls.from_dict(entry)

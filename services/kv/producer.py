@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from services.kv.fingerprint import PeerIdentity
-from services.kv.params import FAULT_CORRUPT_CHUNK, PdserveConnectorMetadata, SaveJob
+from services.kv.metadata import PdserveConnectorMetadata, SaveJob
+from services.kv.params import FAULT_CORRUPT_CHUNK
 from services.kv.transport import (
     SHM,
     KVSender,

@@ -16,15 +16,8 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from services.kv.params import (
-    LOAD_KEY,
-    LoadJob,
-    LoadReport,
-    LoadReports,
-    PdserveConnectorMetadata,
-    SaveJob,
-    ours,
-)
+from services.kv.metadata import LoadJob, LoadReports, PdserveConnectorMetadata, SaveJob
+from services.kv.params import LoadReport, RecvParams, SendParams
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -55,12 +48,14 @@ class SchedulerSide:
 
     # -- matching and allocation ------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Request, num_computed: int) -> tuple[int, bool]:
-        params = ours(request.kv_transfer_params, "recv")
-        if self.is_producer or params is None or request.request_id in self._reports:
+        if self.is_producer or request.request_id in self._reports:
             return 0, False  # (also: a second look after the load finished)
         if request.request_id in self._loading:
             return 0, False
-        remote = int(params.get("num_tokens", 0))
+        params = RecvParams.of(request.kv_transfer_params)
+        if params is None:
+            return 0, False
+        remote = params.num_tokens
         # Claim exactly what will arrive: never more than the prompt minus the token
         # vLLM must compute itself to sample the next one.
         remote = min(remote, request.num_prompt_tokens - 1)
@@ -74,12 +69,12 @@ class SchedulerSide:
     ) -> None:
         rid = request.request_id
         if self.is_producer:
-            if ours(request.kv_transfer_params, "send") is not None:
+            if SendParams.of(request.kv_transfer_params) is not None:
                 self._to_save[rid] = request
             return
         if num_external_tokens == 0 or rid not in self._offsets:
             return  # the second call, after the load: nothing to do
-        params = ours(request.kv_transfer_params, "recv")
+        params = RecvParams.of(request.kv_transfer_params)
         assert params is not None
         offset = self._offsets.pop(rid)
         first = offset // self.block_size
@@ -88,10 +83,10 @@ class SchedulerSide:
         self._new_loads.append(
             LoadJob(
                 req_id=rid,
-                transfer_id=str(params["transfer_id"]),
+                transfer_id=params.transfer_id,
                 local_block_ids=block_ids[first:last],
                 remote_first_block=first,
-                fault=str(params.get("fault", "")),
+                fault=params.fault,
             )
         )
         self._loading.add(rid)
@@ -120,7 +115,7 @@ class SchedulerSide:
             if not table:
                 log.error("no block table for %s; its KV cannot be shipped", rid)
                 continue
-            params = ours(request.kv_transfer_params, "send")
+            params = SendParams.of(request.kv_transfer_params)
             assert params is not None
             n = request.num_prompt_tokens
             # The last, partial block travels whole: the decode side writes token 1 at
@@ -128,15 +123,15 @@ class SchedulerSide:
             jobs.append(
                 SaveJob(
                     req_id=rid,
-                    transfer_id=str(params["transfer_id"]),
-                    kv_address=str(params["kv_address"]),
-                    kv_transport=str(params.get("kv_transport", "grpc")),
-                    decode_epoch=int(params["decode_epoch"]),
-                    decode_fingerprint=str(params["decode_fingerprint"]),
+                    transfer_id=params.transfer_id,
+                    kv_address=params.kv_address,
+                    kv_transport=params.kv_transport,
+                    decode_epoch=params.decode_epoch,
+                    decode_fingerprint=params.decode_fingerprint,
                     block_ids=list(table[0][: ceil_div(n, self.block_size)]),
                     num_tokens=n,
-                    fault=str(params.get("fault", "")),
-                    same_host=params.get("same_host") is True,
+                    fault=params.fault,
+                    same_host=params.same_host,
                 )
             )
             self._saving.add(rid)
@@ -169,4 +164,4 @@ class SchedulerSide:
             self._cancelled.append(rid)
             self._loading.discard(rid)
         report = self._reports.pop(rid, None)
-        return False, ({LOAD_KEY: report.as_params()} if report else None)
+        return False, (report.to_output() if report else None)

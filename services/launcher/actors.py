@@ -13,9 +13,10 @@ import logging
 import os
 from typing import Any
 
-from services.api.server import ServerConfig
 from services.engine.config import EngineConfig
+from services.launcher.actor_spec import RouterArgs, WorkerArgs
 from services.router.config import RouterConfig
+from services.server.settings import ServerConfig
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -23,27 +24,23 @@ log = logging.getLogger(__name__)
 
 class ServiceActor:
     """One prefill worker, decode worker or router. Wrapped with `ray.remote` by the
-    launcher, which sets the per-role resources and restart policy."""
+    supervisor, which starts it with the role's `ActorSpec` (actor_spec.py)."""
 
-    def __init__(self, role: str, server_cfg: ServerConfig, engine_cfg: EngineConfig | None,
-                 worker_cfg: WorkerConfig | None, router_cfg: RouterConfig | None,
-                 advertise_node_ip: bool = False) -> None:
+    def __init__(self, args: WorkerArgs | RouterArgs) -> None:
         logging.basicConfig(level=logging.INFO,
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        self.role = role
+        self.role = args.role
         self.pid = os.getpid()
         loop = asyncio.get_running_loop()
         self._port: asyncio.Future[int] = loop.create_future()
         self._stop = asyncio.Event()  # drain(): leave rotation, finish streams, stop
         self._task: asyncio.Task[Any]
-        if role in ("prefill", "decode"):
-            assert engine_cfg is not None and worker_cfg is not None
-            if advertise_node_ip:
-                worker_cfg = self._on_this_node(worker_cfg)
-            self._task = loop.create_task(self._worker(role, server_cfg, engine_cfg, worker_cfg))
+        if isinstance(args, WorkerArgs):
+            worker_cfg = self._on_this_node(args.worker) if args.advertise_node_ip else args.worker
+            self._task = loop.create_task(self._worker(args.role, args.server, args.engine,
+                                                       worker_cfg))
         else:
-            assert router_cfg is not None
-            self._task = loop.create_task(self._router(server_cfg, router_cfg))
+            self._task = loop.create_task(self._router(args.server, args.router))
 
     @staticmethod
     def _on_this_node(config: WorkerConfig) -> WorkerConfig:

@@ -8,16 +8,14 @@ import asyncio
 import logging
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from services.bench.cli import parse_slos
+from services.launcher.settings import Stack
+from services.launcher.watch import Watch
 from services.observability.fleet import fetch, metrics_address
 from services.plan.costmodel import Profile
 from services.plan.live import LivePlanner, PlannerError, PlannerSettings, TrafficMeter
 from services.registry.registry import Registry
-
-if TYPE_CHECKING:
-    from services.launcher.up import Stack, Watch
+from services.traffic.slo import parse_slos
 
 log = logging.getLogger(__name__)
 

@@ -24,14 +24,18 @@ import logging
 import os
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from prometheus_client import Counter
 
+from services.launcher.actor_spec import ActorSpec
+from services.launcher.actors import ServiceActor
+from services.launcher.settings import LauncherConfig
+
 log = logging.getLogger(__name__)
 
-ROLES = ("prefill", "decode")
 RESTARTS = Counter("pdserve_supervisor_restarts", "actors restarted, by role and reason "
                    "(hang, stopped, start_timeout, crashed, died)", ["role", "reason"])
 
@@ -61,20 +65,23 @@ class ProbeSettings:
     failures: int = 2
     start_timeout_s: float = 900.0
 
+    @classmethod
+    def of(cls, launcher: LauncherConfig) -> ProbeSettings:
+        return cls(launcher.actor_probe_interval_s, launcher.actor_probe_timeout_s,
+                   launcher.actor_probe_failures, launcher.actor_start_timeout_s)
+
 
 class Supervisor:
-    """Creates, probes and stops the stack's actors. Subclasses say how each actor is
-    made: `_options(role, name)` (Ray options) and `_args(role, index)` (what
-    `ServiceActor` is constructed with)."""
+    """Creates, probes and stops the stack's actors; `spec(role, index)` says how each
+    one is made (actor_spec.py)."""
 
-    def __init__(self, probes: ProbeSettings, local_cluster: bool,
-                 drain_timeout_s: float = 30.0) -> None:
+    def __init__(self, spec: Callable[[str, int], ActorSpec], probes: ProbeSettings,
+                 local_cluster: bool, drain_timeout_s: float = 30.0) -> None:
         import ray
-
-        from services.launcher.actors import ServiceActor
 
         self.ray = ray
         self.remote = ray.remote(ServiceActor)
+        self.spec = spec
         self.probes = probes
         # On a local cluster the actor's pid is a process on this machine: a hung one is
         # SIGKILLed directly too, which works on a stopped process whatever Ray does.
@@ -85,12 +92,6 @@ class Supervisor:
         self.drain_timeout_s = drain_timeout_s
         self.retiring: dict[str, asyncio.Future[None]] = {}
 
-    def _options(self, role: str, name: str) -> dict[str, Any]:
-        raise NotImplementedError
-
-    def _args(self, role: str, index: int) -> tuple[Any, ...]:
-        raise NotImplementedError
-
     def ensure(self, role: str, count: int) -> None:
         """Start the missing actors of `role` and retire those beyond `count` (highest
         index first); called from the event loop, every reconcile round."""
@@ -98,8 +99,8 @@ class Supervisor:
             name = f"{role}-{i}"
             if name not in self.actors and name not in self.retiring:  # else: next round
                 log.info("starting %s", name)
-                handle = self.remote.options(**self._options(role, name)).remote(
-                    *self._args(role, i))
+                spec = self.spec(role, i)
+                handle = self.remote.options(**spec.options.kwargs()).remote(spec.args)
                 self.actors[name] = Tracked(handle, role)
         extra = sorted((n for n in self.actors if n.startswith(f"{role}-")
                         and int(n.rsplit("-", 1)[1]) >= count), reverse=True)

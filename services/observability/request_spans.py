@@ -5,13 +5,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind
 
 from services.observability import tracing
 from services.observability.spans import Attr, AttrValue, SpanHandle, start_span
+
+if TYPE_CHECKING:
+    from services.kv.params import LoadReport
+    from services.messages import Timings
 
 # Names of the Timings fields (the API's message) -> the latency attribute they fill.
 _LATENCIES = {"queue_s": Attr.TIME_IN_QUEUE, "prefill_s": Attr.PREFILL_TIME,
@@ -229,29 +233,47 @@ def record_kv_transfer(parent: Context | None, facts: TransferFacts,
     span.end(wall=facts.last_byte_wall or start)
 
 
-def finish_decode(span: DecodeSpan, parent: Context | None, report: Mapping[str, Any] | None,
-                  timings: Any, transfer: tuple[str, str, str, str], received_wall: float,
-                  first_step_wall: float, steps: int, tokens: int,
-                  finish_reason: str | None) -> None:
+@dataclass(frozen=True, slots=True)
+class DecodeTally:
+    """What the decode worker counted over one `Decode` call (times are time.time())."""
+
+    received_wall: float  # the call arrived
+    first_step_wall: float  # the engine's first output for it (0: none)
+    steps: int  # engine outputs for the request
+    tokens: int  # tokens it generated
+    finish_reason: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class KVLoad:
+    """The prompt's KV as the decode worker received it: the connector's load `report`
+    and the route the transfer took."""
+
+    report: LoadReport
+    transport: str
+    prefill_worker: str
+    decode_worker: str
+
+
+def finish_decode(span: DecodeSpan, parent: Context | None, tally: DecodeTally,
+                  timings: Timings, load: KVLoad | None) -> None:
     """The decode worker's end of a request: its span's figures, and the KV transfer's
-    own span from the connector's load `report` (None: nothing was received).
-    `timings` is the `Timings` the worker answers with; `transfer` is (transfer id,
-    transport, prefill worker, decode worker)."""
+    own span from the connector's load report (`load` None: nothing was received).
+    `timings` is what the worker answers with."""
     if not span:
         return
     kv_wait = 0.0
-    if report is not None:
-        ok = bool(report.get("ok"))
-        first, last = float(report.get("first_byte_wall", 0.0)), float(
-            report.get("last_byte_wall", 0.0))
-        if ok:  # the request could not start before its KV was complete
-            kv_wait = max(0.0, last - received_wall)
-        transfer_id, transport, sender, receiver = transfer
+    if load is not None:
+        report = load.report
+        first, last = report.first_byte_wall, report.last_byte_wall
+        if report.ok:  # the request could not start before its KV was complete
+            kv_wait = max(0.0, last - tally.received_wall)
+        staged = tally.first_step_wall - last if report.ok and tally.first_step_wall else None
         record_kv_transfer(parent, TransferFacts(
-            transfer_id, transport, ok, int(report.get("bytes", 0)), first, last,
-            timings.kv_transfer_hidden_s, sender, receiver, str(report.get("error", "")),
-            chunks=report.get("chunks"), checksum_s=report.get("checksum_s"),
-            staged_s=max(0.0, first_step_wall - last) if ok and first_step_wall else None),
-            fallback_wall=received_wall)
-    span.done(timings.decode_queue_s or timings.queue_s, kv_wait, steps, tokens,
-              finish_reason, timings.decode_s)
+            report.transfer_id, load.transport, report.ok, report.nbytes, first, last,
+            timings.kv_transfer_hidden_s, load.prefill_worker, load.decode_worker,
+            report.error, chunks=report.chunks, checksum_s=report.checksum_s,
+            staged_s=None if staged is None else max(0.0, staged)),
+            fallback_wall=tally.received_wall)
+    span.done(timings.decode_queue_s or timings.queue_s, kv_wait, tally.steps, tally.tokens,
+              tally.finish_reason, timings.decode_s)

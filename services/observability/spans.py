@@ -206,9 +206,5 @@ def start_span(name: str, parent: Context | None, attrs: Mapping[str, AttrValue 
     return SpanHandle(span)
 
 
-def parent_of(handle: SpanHandle, fallback: Context | None = None) -> Context | None:
-    return handle.context() if handle else fallback
-
-
 def now() -> float:
     return time.time()

@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from services.observability.fleet import Fleet, Row, Snapshot
+from services.registry.local_stack import read_state
 from services.registry.redis_server import redact
 from services.registry.registry import Registry
 
@@ -79,13 +80,11 @@ def redis_url(given: str) -> str:
     """--redis-url, else $PDSERVE_REDIS_URL, else the local `pdserve up` stack's."""
     if given or os.environ.get("PDSERVE_REDIS_URL"):
         return given or os.environ["PDSERVE_REDIS_URL"]
-    from services.launcher.up import state_path
-
-    try:
-        return str(json.loads(state_path().read_text())["redis_url"])
-    except (OSError, ValueError, KeyError) as e:
+    local = read_state()
+    if local is None:
         raise RuntimeError("no local pdserve stack found (`pdserve up` writes where its "
-                           "Redis is); pass --redis-url") from e
+                           "Redis is); pass --redis-url")
+    return local.redis_url
 
 
 def overrides(pairs: list[str]) -> dict[str, str]:

@@ -13,15 +13,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from services.bench.cli import (
-    _add_arrival_args,
-    _add_workload_args,
-    _Formatter,
+from services.traffic.flags import (
+    HelpFormatter,
+    add_arrival_args,
+    add_workload_args,
     arrival_config,
-    parse_slos,
     request_count,
     workload_config,
 )
+from services.traffic.slo import parse_slos
 
 DEFAULT_PROFILE = "bench-results/plan/profile.json"
 
@@ -86,11 +86,11 @@ def _s(value: float | None) -> str:
 
 
 def _predict(args: argparse.Namespace) -> int:
-    from services.bench.workload import load_tokenizer
     from services.plan.configs import configurations, helm_values, to_yaml, up_flags
     from services.plan.costmodel import Profile
     from services.plan.plots import goodput_vs_rate
     from services.plan.predict import CLOSE_CALL, best_per_rate, close_calls, predict_all, rank
+    from services.traffic.workload import load_tokenizer
 
     profile = Profile.load(Path(args.profile))
     rates = list(args.rates)
@@ -165,10 +165,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     plan = subparsers.add_parser("plan", help="profile the engine and choose a configuration",
                                  description="Measure the engine's cost model, then predict "
                                  "every configuration's latency and goodput on a workload.",
-                                 formatter_class=_Formatter)
+                                 formatter_class=HelpFormatter)
     plan.set_defaults(func=lambda _: (plan.print_help(), 2)[1])
     sub = plan.add_subparsers(dest="plan_command", metavar="{profile,predict}")
-    prof = sub.add_parser("profile", formatter_class=_Formatter,
+    prof = sub.add_parser("profile", formatter_class=HelpFormatter,
                           help="measure prefill, decode and KV transfer costs (a few minutes)",
                           description="Measures the cost model with the real engine on "
                           "this machine: prefill time against prompt tokens and step budget, "
@@ -196,18 +196,17 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     prof.add_argument("--no-progress", action="store_true", help="no progress bar")
     prof.set_defaults(func=cmd_profile)
 
-    pred = sub.add_parser("predict", formatter_class=_Formatter,
+    pred = sub.add_parser("predict", formatter_class=HelpFormatter,
                           help="simulate configurations on a workload and recommend one",
                           description="Simulates colocated serving (default and tuned step "
                           "budgets), each P:D split and conditional disaggregation on one "
                           "seeded `pdserve bench` schedule, predicts TTFT/TPOT/ITL and goodput, "
                           "ranks them and prints the best as `pdserve up` flags and Helm values. "
-                          "Against real runs on a 2-core CPU host its median error was 5.5-5.6% "
-                          "with a profile taken right after the run and 10-19% with profiles "
-                          "taken before it or minutes later, mostly optimistic (BENCHMARKS.md): "
-                          "profile the "
-                          "host as it will serve, treat configurations within 20% of each "
-                          "other as ties, and measure them.")
+                          "A prediction is as good as its profile: profile the host as it will "
+                          "serve. Configurations close to the best one (the output names them) "
+                          "are within the planner's error against real runs (BENCHMARKS.md, "
+                          "\"Planner\"): measure them with `pdserve bench sweep` before "
+                          "choosing.")
     pred.add_argument("--profile", default=DEFAULT_PROFILE, help="profile JSON to use")
     pred.add_argument("--units", type=int, default=0,
                       help="cores (or GPUs) to plan for (default: the profiled host's)")
@@ -220,8 +219,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       "(local_prefill_max_tokens)")
     pred.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
                       help="KV transport of disaggregated configurations")
-    _add_workload_args(pred)
-    _add_arrival_args(pred, sweep=True)
+    add_workload_args(pred)
+    add_arrival_args(pred, sweep=True)
     pred.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",
                       help="SLOs ranked by (repeatable; ttft, tpot, itl, e2e), e.g. "
                       "--slo ttft=4 --slo tpot=0.1 (default: none)")

@@ -33,12 +33,12 @@ import numpy as np
 from prometheus_client import Counter
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.bench.arrivals import ArrivalConfig, send_offsets
-from services.bench.metrics import SLOs
 from services.plan.configs import spread
 from services.plan.costmodel import Profile
 from services.plan.fleet import FleetConfig, PoolSpec, SimRequest
 from services.plan.predict import CLOSE_CALL, simulate
+from services.traffic.arrivals import ArrivalConfig, send_offsets
+from services.traffic.slo import SLOs
 
 log = logging.getLogger(__name__)
 

@@ -8,12 +8,13 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from services.bench.arrivals import ArrivalConfig, send_offsets
-from services.bench.metrics import SLOs, summarize
-from services.bench.records import RequestRecord
-from services.bench.workload import Tokenizer, WorkloadConfig, build_workload
 from services.plan.costmodel import Profile
 from services.plan.fleet import Fleet, FleetConfig, SimRequest, SimResult
+from services.traffic.arrivals import ArrivalConfig, send_offsets
+from services.traffic.record import RequestRecord
+from services.traffic.slo import SLOs
+from services.traffic.summary import summarize
+from services.traffic.workload import Tokenizer, WorkloadConfig, build_workload
 
 SUMMARY_KEYS = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
 
@@ -145,10 +146,9 @@ def rank(predictions: list[Prediction]) -> list[tuple[str, float, list[float]]]:
     return [(n, sum(table[n]), table[n]) for n in order]
 
 
-# The planner's median error against real runs (BENCHMARKS.md, "Planner"): 10-19% on a
-# 2-core CPU host, mostly optimistic (5.5-5.6% with a profile taken right after the run:
-# the host moves that much within minutes). Configurations closer than this to the first
-# choice cannot be told apart by the simulation.
+# Configurations within this share of the first choice's goodput cannot be told apart
+# by the simulation: the margin sits above the planner's error against real runs
+# (BENCHMARKS.md, "Planner"), which grows as the host drifts from its profile.
 CLOSE_CALL = 0.2
 
 

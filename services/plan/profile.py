@@ -8,19 +8,16 @@ decode (``b`` requests of ``c`` prompt tokens started together, then the time pe
 their lock-stepped decode steps), and, on the chunked engine, prefill while sequences
 decode (the mixed steps of a colocated engine under load). Every measurement becomes a
 sample of the step-cost features (costmodel.py); one StepCost is fitted per engine size.
-KV transport throughput comes from ``benchmarks/kv_transport.py``'s measuring code, run
-on a transfer of this model's KV layout. Prompts are distinct random token ids and
-prefix caching is off, so nothing is served from a cache.
+KV transport throughput is measured by ``services.kv.transport.measure`` on a transfer of
+this model's KV layout. Prompts are distinct random token ids and prefix caching is off,
+so nothing is served from a cache.
 """
 
 from __future__ import annotations
 
 import asyncio
-import importlib
 import importlib.metadata
-import logging
 import platform
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,13 +36,12 @@ from services.plan.costmodel import (
     prefill_features,
 )
 
-log = logging.getLogger(__name__)
 Tick = Callable[[str], None]
 
 
 @dataclass(slots=True, frozen=True)
 class Grid:
-    """What to measure; the default fits in about four minutes on two CPU cores."""
+    """What to measure; the default takes a few minutes, ``QUICK`` seconds."""
 
     prefill_lengths: tuple[int, ...] = (32, 128, 512, 1024, 1800)
     chunked_lengths: tuple[int, ...] = (512, 1800)
@@ -199,28 +195,20 @@ def _kv_layout(model_path: Path) -> dict[str, Any]:
 
 def measure_transports(kinds: tuple[str, ...], layout: dict[str, Any], dtype: str,
                        blocks: int, rounds: int, tick: Tick) -> dict[str, Transport]:
-    """Each transport's throughput over loopback, with benchmarks/kv_transport.py's own
-    measuring code; none when that script is not importable from here."""
+    """Each transport's throughput over loopback, on a transfer of ``blocks`` blocks of
+    this model's KV layout (services/kv/transport/measure.py)."""
     import torch
 
-    root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root))  # spawned receivers inherit sys.path
-    try:
-        bench = importlib.import_module("benchmarks.kv_transport")
-    except ImportError as e:
-        log.warning("no transport measured: benchmarks/kv_transport.py not importable: %s", e)
-        return {}
+    from services.kv.transport import TransportConfig
+    from services.kv.transport.measure import measure_transport, random_layers
+
     shape = (blocks, layout["kv_heads"], 128, 2 * layout["head_dim"])
-    torch_dtype = getattr(torch, dtype)
-    layers = [torch.randn(shape).to(torch_dtype) for _ in range(layout["layers"])]
-    nbytes = sum(t.numel() * t.element_size() for t in layers)
-    config = bench.TransportConfig(chunk_bytes=1 << 20, max_message_bytes=8 << 20)
+    layers = random_layers(layout["layers"], shape, getattr(torch, dtype))
+    config = TransportConfig(chunk_bytes=1 << 20, max_message_bytes=8 << 20)
     out: dict[str, Transport] = {}
     for kind in kinds:
-        r = bench.bench_transport(kind, layers, config, rounds, 1)
-        med = float(np.median(r["times_s"]))
-        gb = nbytes / 1e9 * len(r["times_s"])
-        out[kind] = Transport(nbytes / med / 1e9, r["receiver_cpu_s"] / gb)
+        run = measure_transport(kind, layers, config, rounds, 1)
+        out[kind] = Transport(run.gb_per_s, run.receiver_cpu_s_per_gb)
         tick(f"transport {kind}")
     return out
 
@@ -269,9 +257,8 @@ def run_profile(base: EngineConfig, grid: Grid, progress: bool = True) -> Profil
             base, cpu_cores=all_cores, max_num_batched_tokens=grid.chunk_budget), True))
     if grid.one_core and len(cores) > 1 and cpu_only():
         # The one-core engine stands for a disaggregated worker, so it runs with the decode
-        # worker's KV connector: its per-step and per-layer hooks cost a few percent of a
-        # one-core decode step (+6% median over 16 paired measurements, inside this machine's
-        # run-to-run spread), which a bare engine would leave out.
+        # worker's KV connector: its per-step and per-layer hooks are part of a worker's
+        # step time, which a bare engine would leave out.
         plan.append(("one", 1, replace_engine(base, cpu_cores=str(cores[0])), False))
     bar = tqdm(total=grid.measurements() + len(plan), desc="profiling", unit="step",
                disable=not progress)

@@ -62,9 +62,6 @@ class WorkerRecord:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    def to_json(self) -> str:
-        return json.dumps(self.to_dict())
-
     @classmethod
     def from_json(cls, text: str | bytes) -> WorkerRecord:
         """Parse a record; `BadRecord` if it cannot be a worker."""

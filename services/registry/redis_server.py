@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from urllib.parse import quote, urlsplit, urlunsplit
 
-from services.rpc import free_port
+from services.server.channels import free_port
 
 
 def write_private(path: Path, text: str) -> None:

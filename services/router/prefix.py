@@ -1,16 +1,35 @@
-"""Prompt block hashes for prefix-cache-aware routing.
+"""Prompt block hashes for prefix-cache-aware routing, and the writer that records which
+prefill worker holds them.
 
 Chained like vLLM's own prefix cache: block i's hash covers blocks 0..i, so two prompts
 share block i's hash only if they share everything up to it. Only full blocks count:
 vLLM caches full blocks only.
+
+The prefix index is a routing hint: a request never waits for it to be written, and a
+write that fails or cannot be started only costs a later request its best pair.
 """
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+import logging
+import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import numpy as np
+from prometheus_client import Counter
+
+if TYPE_CHECKING:
+    from services.router.view import WorkerView
+
+log = logging.getLogger(__name__)
+
+HINTS_DROPPED = Counter("pdserve_router_prefix_hints_dropped",
+                        "prefix index writes given up, by why", ["reason"])
+MAX_PENDING_WRITES = 64  # writes in flight at once; more are dropped (a slow Redis)
+LOG_EVERY_S = 30.0  # a failing index is reported this often, not once per request
 
 
 def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64) -> list[str]:
@@ -26,3 +45,52 @@ def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64
         parent = h.digest()
         out.append(h.hexdigest())
     return out
+
+
+class PrefixHints:
+    """Records, in the background, that a prefill worker prefilled a prompt's blocks.
+    At most `max_pending` writes run at once: beyond that a hint is dropped and counted
+    (`pdserve_router_prefix_hints_dropped{reason="backlog"}`), as is a write that fails
+    (`reason="error"`, logged). `close` cancels the writes still running."""
+
+    def __init__(self, view: WorkerView, max_pending: int = MAX_PENDING_WRITES) -> None:
+        self._view = view
+        self._max_pending = max_pending
+        self._pending: set[asyncio.Task[None]] = set()  # held: the loop keeps weak refs
+        self._reported = -LOG_EVERY_S  # time.monotonic() of the last report
+        self._unreported = 0  # hints dropped since then
+
+    @property
+    def pending(self) -> int:
+        return len(self._pending)
+
+    def record(self, worker_id: str, hashes: Sequence[str]) -> None:
+        """Start writing the hint; returns at once."""
+        if len(self._pending) >= self._max_pending:
+            self._dropped("backlog", f"{len(self._pending)} writes still pending")
+            return
+        task = asyncio.get_running_loop().create_task(self._write(worker_id, hashes))
+        self._pending.add(task)
+        task.add_done_callback(self._pending.discard)
+
+    async def _write(self, worker_id: str, hashes: Sequence[str]) -> None:
+        try:
+            await self._view.record_prefix(worker_id, hashes)
+        except Exception as e:  # the hint is lost, the request is not
+            self._dropped("error", f"{type(e).__name__}: {e}")
+
+    def _dropped(self, reason: str, detail: str) -> None:
+        HINTS_DROPPED.labels(reason).inc()
+        self._unreported += 1
+        now = time.monotonic()
+        if now - self._reported >= LOG_EVERY_S:
+            log.warning("prefix index hint dropped (%s: %s); %d dropped since the last "
+                        "report", reason, detail, self._unreported)
+            self._reported, self._unreported = now, 0
+
+    async def close(self) -> None:
+        """Cancel the writes still running and wait for them to end."""
+        tasks = list(self._pending)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

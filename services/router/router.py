@@ -5,6 +5,8 @@ picks the pair from the worker view plus this router's own in-flight counts and 
 prefix index), then run as prefill -> decode (`orchestrator.run_pair`). The view is
 Redis's registry for `pdserve router`, or the fixed local pair for `serve --mode
 disagg`: one implementation of pair choice and conditional disaggregation for both.
+Each step of a request is told to its `RequestEvents` (`events`), whose listeners keep
+the span, the metrics and the timings, so this module is the request's control flow.
 Router replicas keep no state of their own beyond what is in flight: any of them can
 serve any request.
 """
@@ -16,22 +18,18 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import asdict
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client import Counter, Gauge, Histogram
 
 from pdserve.v1 import worker_pb2 as wpb
 from services.engine.engine import ModelFacts
 from services.errors import Overloaded, Unavailable, WorkerFailure
 from services.messages import Delta, GenerationRequest
-from services.observability import tracing
-from services.observability.request_spans import NULL_ROUTER, RouterSpan, router_span
-from services.observability.spans import error_type
 from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
 from services.router.config import RouterConfig
+from services.router.events import RequestEvents, request_events
 from services.router.facts import model_facts
 from services.router.orchestrator import Peer, run_pair
 from services.router.policies import (
@@ -42,45 +40,16 @@ from services.router.policies import (
     make_policy,
     prefill_pool_full,
 )
-from services.router.prefix import block_hashes
+from services.router.prefix import PrefixHints, block_hashes
 from services.router.view import WorkerView
 from services.router.watchdog import Liveness, answers
-from services.rpc import dial
+from services.security.tls import TLSFiles
+from services.server.channels import dial
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger(__name__)
-
-INFLIGHT = Gauge("pdserve_router_inflight", "requests in flight in this router")
-PAIR_CHOICES = Counter("pdserve_router_pair_choices", "pairs chosen, by reason", ["reason"])
-DISAGG = Counter("pdserve_router_disaggregation_decisions",
-                 "conditional disaggregation: prefill on a prefill worker or locally",
-                 ["decision"])
-REJECTIONS = Counter("pdserve_router_rejections", "requests refused at admission", ["reason"])
-TTFT = Histogram("pdserve_router_time_to_first_token_seconds", "router-side TTFT",
-                 buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40))
-WORKER_REQUESTS = Counter("pdserve_router_worker_requests", "requests sent to each worker",
-                          ["worker", "role"])
-MIGRATIONS = Counter("pdserve_migrations", "requests moved to another worker after the one "
-                     "serving them failed, by which worker and when",
-                     ["reason"])
-E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side request latency",
-                buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
-
-
-_CHILDREN: dict[tuple[object, ...], Any] = {}
-
-
-def _child(metric: Counter, *labels: str) -> Any:
-    """`metric.labels(*labels)`, looked up once: `labels()` takes a lock and builds the
-    key on every call, which the per-request path pays several times."""
-    key = (metric, *labels)
-    child = _CHILDREN.get(key)
-    if child is None:
-        child = _CHILDREN[key] = metric.labels(*labels)
-    return child
-
 
 SUSPECT_S = 2.0  # a worker that just failed a call is skipped this long (then doubling)
 SUSPECT_MAX_S = 30.0  # ... and then until it answers a health probe
@@ -90,8 +59,10 @@ class RouterBackend:
     mode = "disaggregated"
 
     def __init__(self, config: RouterConfig, view: WorkerView,
-                 tokenizer: PreTrainedTokenizerBase, model_path: str, fault: str = "") -> None:
+                 tokenizer: PreTrainedTokenizerBase, model_path: str, fault: str = "", *,
+                 tls: TLSFiles | None = None) -> None:
         self.config = config
+        self.tls = tls  # the internal mTLS identity workers are dialled with (None: plaintext)
         self.view = view
         self._tokenizer = tokenizer
         self._model_path = model_path
@@ -110,6 +81,7 @@ class RouterBackend:
         self._rechecker: asyncio.Task[None] | None = None
         self._empty_since = float("inf")
         self.liveness = Liveness(config.stream_silence_s, config.probe_timeout_s)
+        self.prefix_hints = PrefixHints(view)
 
     # -- the worker view --------------------------------------------------------------
     async def start(self, wait_for_workers_s: float = 600.0) -> None:
@@ -185,6 +157,7 @@ class RouterBackend:
         for task in (self._refresher, self._rechecker):
             if task is not None:
                 task.cancel()
+        await self.prefix_hints.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -193,7 +166,7 @@ class RouterBackend:
         peer = self._peers.get(key)
         if peer is None:
             if w.address not in self._channels:
-                self._channels[w.address] = dial(w.address)
+                self._channels[w.address] = dial(w.address, self.tls)
             peer = self._peers[key] = Peer(w.worker_id, self._channels[w.address])
         return peer
 
@@ -207,9 +180,10 @@ class RouterBackend:
         return self._tokenizer
 
     # -- requests ---------------------------------------------------------------------
-    def _reject(self, reason: str, message: str) -> Overloaded:
-        REJECTIONS.labels(reason).inc()
-        return Overloaded(message, self.config.retry_after_ms)
+    def _reject(self, events: RequestEvents, reason: str, message: str) -> Overloaded:
+        error = Overloaded(message, self.config.retry_after_ms)
+        events.rejected(reason, error.message)
+        return error
 
     def _live(self, role: str) -> list[WorkerRecord]:
         return [w for w in self._view if w.role == role and w.worker_id not in self._suspects]
@@ -223,7 +197,8 @@ class RouterBackend:
         pause = min(SUSPECT_S * 2 ** failures, SUSPECT_MAX_S)
         self._suspects[worker_id] = (time.monotonic() + pause, failures + 1)
 
-    async def _choose(self, req: GenerationRequest, hashes: list[str]) -> Choice:
+    async def _choose(self, req: GenerationRequest, hashes: list[str],
+                      events: RequestEvents) -> Choice:
         prefills, decodes = self._live("prefill"), self._live("decode")
         if not decodes:
             # The view is up to refresh_s old: a decode worker that just (re)started may
@@ -246,65 +221,53 @@ class RouterBackend:
         choice = self.policy.choose(prefills, decodes, RouteInput(len(req.prompt_token_ids),
                                                                   hits), self.local)
         if choice is None:
-            raise self._reject("capacity", "every decode worker is at capacity")
+            raise self._reject(events, "capacity", "every decode worker is at capacity")
         if full := prefill_pool_full(choice, self.local, self.config.prefill_max_queued_tokens):
-            raise self._reject("prefill_queue", full)
+            raise self._reject(events, "prefill_queue", full)
         return choice
 
-    async def _admit(self, req: GenerationRequest) -> Lease | None:
-        if self.inflight >= self.config.max_inflight:
-            raise self._reject("router_queue", f"router has {self.inflight} requests in flight")
-        limit = self.config.client_max_inflight
-        if not (limit and req.client_id):
-            return None
-        lease = await self.view.acquire_client_lease(req.client_id, limit)
-        if lease is None:
-            raise self._reject("client_limit", f"client {req.client_id!r} has {limit} "
-                               "requests in flight")
-        return lease
+    async def _admit(self, req: GenerationRequest, events: RequestEvents) -> Lease | None:
+        """Let `req` in, with its client lease when clients are limited; a refusal, or
+        a failure to ask Redis for the lease, ends the request's events."""
+        try:
+            if self.inflight >= self.config.max_inflight:
+                raise self._reject(events, "router_queue",
+                                   f"router has {self.inflight} requests in flight")
+            limit = self.config.client_max_inflight
+            if not (limit and req.client_id):
+                return None
+            lease = await self.view.acquire_client_lease(req.client_id, limit)
+            if lease is None:
+                raise self._reject(events, "client_limit", f"client {req.client_id!r} has "
+                                   f"{limit} requests in flight")
+            return lease
+        except BaseException as e:
+            events.failed(e)
+            events.ended()
+            raise
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """Serve `req` on a pair; when a worker fails, move the request to another one
         (up to `migration_limit` times): it continues from the prompt plus every token
         the client already has, with the budget that is left, so the client sees one
         unbroken stream. Greedy output is the same as without the failure."""
-        started = time.monotonic()
-        span = router_span(req.request_id, len(req.prompt_token_ids), req.max_tokens,
-                           self._facts.name if self._facts else "",
-                           tracing.extract_grpc(req.trace_headers), req.sampling.temperature,
-                           req.sampling.top_p)
-        try:
-            lease = await self._admit(req)
-        except Exception as e:
-            if isinstance(e, Overloaded):
-                span.rejected(e.message)
-            else:
-                span.fail(e, error_type(e))
-            span.end()
-            raise
+        events = request_events(req, self._facts.name if self._facts else "")
+        lease = await self._admit(req, events)
         self.inflight += 1
-        INFLIGHT.set(self.inflight)
-        span.admitted(self.inflight)
+        events.admitted(self.inflight)
         hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
         streamed: list[int] = []  # every token the client has received
         moves = 0
         leg = req
         try:
             while True:
-                choice = await self._choose(leg, hashes if not streamed else [])
-                span.pair(moves, choice.prefill.worker_id if choice.prefill else None,
-                          choice.decode.worker_id, choice.reason)
-                _child(PAIR_CHOICES, choice.reason).inc()
-                _child(DISAGG, "remote" if choice.prefill else "local").inc()
+                choice = await self._choose(leg, hashes if not streamed else [], events)
+                events.pair_chosen(moves, choice)
                 try:
-                    async for delta in self._run(leg, choice, hashes, started, span):
+                    async for delta in self._run(leg, choice, hashes, events):
                         if delta.finished:
                             delta.migrations = moves
-                            if span:
-                                span.finish(delta.finish_reason,
-                                            len(streamed) + len(delta.token_ids),
-                                            asdict(delta.timings), time.monotonic() - started,
-                                            delta.num_cached_tokens)
+                            events.finished(delta, len(streamed) + len(delta.token_ids))
                         streamed += delta.token_ids
                         yield delta
                     return
@@ -313,25 +276,19 @@ class RouterBackend:
                     if moves >= self.config.migration_limit:
                         raise
                     moves += 1
-                    reason = f"{e.role}_{'mid_stream' if streamed else 'before_first_token'}"
-                    MIGRATIONS.labels(reason).inc()
-                    span.moved(moves, e.worker_id, e.role, reason, len(streamed), e.message)
-                    log.warning("moving %s after %d tokens (%s): %s", req.request_id,
-                                len(streamed), reason, e.message)
+                    events.moved(moves, e, len(streamed))
                     leg = req.continued(streamed)
                     if (done := self._finished_already(leg, streamed)) is not None:
                         done.migrations = moves
+                        events.finished(done, len(streamed))
                         yield done
                         return
         except BaseException as e:
-            if not isinstance(e, GeneratorExit):  # GeneratorExit: the client went away
-                span.fail(e, error_type(e))
+            events.failed(e)
             raise
         finally:
-            span.end()
             self.inflight -= 1
-            INFLIGHT.set(self.inflight)
-            E2E.observe(time.monotonic() - started)
+            events.ended(self.inflight)
             if lease is not None:
                 with contextlib.suppress(Exception):
                     await self.view.release_client_lease(lease)
@@ -348,35 +305,27 @@ class RouterBackend:
         return None
 
     async def _run(self, req: GenerationRequest, choice: Choice, hashes: list[str],
-                   started: float, span: RouterSpan = NULL_ROUTER) -> AsyncIterator[Delta]:
+                   events: RequestEvents) -> AsyncIterator[Delta]:
         p, d = choice.prefill, choice.decode
         tokens = len(req.prompt_token_ids)
         flights = [self.local.sent((p or d).worker_id, tokens)]
         if p is not None:
             flights.append(self.local.sent(d.worker_id, 0))
-        for w in (p, d):
-            if w is not None:
-                _child(WORKER_REQUESTS, w.worker_id, w.role).inc()
         target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch, kv_address=d.kv_address,
                               kv_transport=d.kv_transport, fingerprint_digest=d.fingerprint,
                               same_host=p is not None and p.host == d.host)
-        dispatched = time.monotonic()
         first = True
         try:
             async for delta in run_pair(req, self.peer(p) if p else None, self.peer(d),
                                         target, self.fault, self.liveness,
-                                        span.grpc_metadata()):
+                                        events.grpc_metadata()):
                 if first:
                     first = False
                     self.local.prefilled(flights[0])
-                    ttft = time.monotonic() - started
-                    TTFT.observe(ttft, exemplar=span.exemplar())
-                    span.first_token(ttft)
+                    events.first_token()
                     if p is not None and hashes:
-                        with contextlib.suppress(Exception):
-                            await self.view.record_prefix(p.worker_id, hashes)
+                        self.prefix_hints.record(p.worker_id, hashes)
                 if delta.finished:
-                    delta.timings.router_queue_s = dispatched - started
                     for w in (p, d):
                         if w is not None:
                             self._suspects.pop(w.worker_id, None)

@@ -6,15 +6,15 @@ import asyncio
 import logging
 from collections.abc import Callable
 
-from services.api.server import ServerConfig, generation_service, serve
+from services.api.public import serve_public
 from services.engine.model import resolve_model
 from services.observability import tracing
 from services.registry.config import ClusterStateConfig
 from services.registry.registry import Registry
 from services.router.config import RouterConfig
 from services.router.router import RouterBackend
-from services.rpc import use_internal_tls
 from services.security.policy import internal_tls
+from services.server.settings import ServerConfig
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +30,6 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     if not config.redis_url:
         raise ValueError("the router needs --redis-url (or PDSERVE_REDIS_URL): workers "
                          "register there")
-    use_internal_tls(internal_tls(server_cfg))  # before the first worker is dialled
     tracing.setup_from(server_cfg, "pdserve-router")
     model_path = resolve_model(config.router_model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -38,14 +37,15 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     signer = (cluster or ClusterStateConfig()).signer("router")  # type: ignore[call-arg]
     registry = Registry.from_url(config.redis_url, signer=signer,
                                  client_lease_s=config.client_lease_s)
-    backend = RouterBackend(config, registry, tokenizer, str(model_path))
+    backend = RouterBackend(config, registry, tokenizer, str(model_path),
+                            tls=internal_tls(server_cfg))
     try:
         log.info("waiting for workers to register in %s", config.redis_url)
         await backend.start()
-        await serve(server_cfg, [generation_service(backend)],
-                    f"pdserve router ({config.policy}) serving {backend.facts.name}",
-                    on_ready=lambda bound: on_ready(bound.port) if on_ready else None,
-                    stop=stop, http_backend=backend)
+        await serve_public(server_cfg, backend,
+                           f"pdserve router ({config.policy}) serving {backend.facts.name}",
+                           on_ready=lambda bound: on_ready(bound.port) if on_ready else None,
+                           stop=stop)
     finally:
         await backend.close()
         await registry.close()

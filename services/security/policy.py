@@ -1,7 +1,7 @@
-"""What a pdserve process's settings say about its ports: the public API's credentials
-(`PublicAuth`), the internal channels' mTLS files (`internal_tls`), and the rule that the
-public API never serves beyond loopback unauthenticated unless told to
-(`check_public_bind`).
+"""What a pdserve process's settings say about who may connect: the public API's
+credentials (`PublicAuth`), the internal channels' mTLS files (`internal_tls`), and the
+rule that the public API never serves beyond loopback unauthenticated unless told to
+(`check_public_bind`). `services/server/` applies them to ports, calls and channels.
 
 Settings objects are read by attribute, so any config that has the fields works:
 `tls_cert_file`, `tls_key_file`, `tls_client_ca_file`, `api_keys_file` (public API) and
@@ -15,20 +15,8 @@ import logging
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
-
 from services.security.apikeys import ApiKeyError, ApiKeys
-from services.security.interceptors import ApiKeyInterceptor
-from services.security.tls import (
-    INTERNAL_CHANNEL_OPTIONS,
-    TLSConfigError,
-    TLSFiles,
-    internal_channel_credentials,
-    internal_server_credentials,
-    load,
-    server_credentials,
-    uvicorn_options,
-)
+from services.security.tls import TLSConfigError, TLSFiles, load, uvicorn_options
 
 log = logging.getLogger(__name__)
 
@@ -75,16 +63,6 @@ class PublicAuth:
     def authenticated(self) -> bool:
         return self.keys is not None or self.requires_client_cert
 
-    def interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [ApiKeyInterceptor(self.keys)] if self.keys is not None else []
-
-    def add_port(self, server: grpc.aio.Server, address: str) -> int:
-        """Bind `address` on `server`, with TLS when configured; the port bound."""
-        if self.tls is None:
-            return int(server.add_insecure_port(address))
-        creds = server_credentials(self.tls, require_client_auth=self.requires_client_cert)
-        return int(server.add_secure_port(address, creds))
-
     def uvicorn_options(self) -> dict[str, object]:
         """uvicorn's HTTPS options (empty without TLS)."""
         if self.tls is None:
@@ -113,23 +91,6 @@ def internal_tls(config: Any) -> TLSFiles | None:
                         getattr(config, "internal_tls_cert_file", ""),
                         getattr(config, "internal_tls_key_file", ""), INTERNAL_SETTINGS)
     return files if files.configured else None
-
-
-def add_internal_port(server: grpc.aio.Server, address: str, files: TLSFiles | None) -> int:
-    """Bind an internal server's port: mTLS with `files`, plaintext without."""
-    if files is None:
-        return int(server.add_insecure_port(address))
-    return int(server.add_secure_port(address, internal_server_credentials(files)))
-
-
-def internal_channel(address: str, files: TLSFiles | None,
-                     options: list[tuple[str, Any]]) -> grpc.aio.Channel:
-    """An asyncio channel to an internal peer: mTLS checking the peer's certificate for
-    `pdserve.internal` with `files`, plaintext without."""
-    if files is None:
-        return grpc.aio.insecure_channel(address, options=options)
-    return grpc.aio.secure_channel(address, internal_channel_credentials(files),
-                                   options=[*options, *INTERNAL_CHANNEL_OPTIONS])
 
 
 CONFIG_ERRORS = (ApiKeyError, TLSConfigError, InsecureBindError)

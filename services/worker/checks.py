@@ -8,7 +8,7 @@ import re
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
-from services.api import validation
+from services import limits as model_limits
 from services.errors import IncompatiblePair, InvalidRequest
 from services.messages import Sampling
 
@@ -34,19 +34,19 @@ def check_address(name: str, value: str) -> str:
     return value
 
 
-def check_prompt(ids: list[int], limits: validation.Limits, name: str) -> list[int]:
-    validation.check_token_ids(ids, limits, name)
+def check_prompt(ids: list[int], limits: model_limits.Limits, name: str) -> list[int]:
+    model_limits.check_token_ids(ids, limits, name)
     if len(ids) >= limits.max_model_len:
         raise InvalidRequest(f"{name}: {len(ids)} tokens do not fit the context of "
                              f"{limits.max_model_len}")
     return ids
 
 
-def check_sampling(s: pb.SamplingParams, limits: validation.Limits,
+def check_sampling(s: pb.SamplingParams, limits: model_limits.Limits,
                    prompt_len: int) -> tuple[Sampling, int]:
     """The validated sampling and the max_tokens it resolves to for this prompt."""
-    sampling = validation.check_sampling(s, limits)
-    return sampling, validation.resolve_max_tokens(sampling, prompt_len, limits)
+    sampling = model_limits.check_sampling(s, limits)
+    return sampling, model_limits.resolve_max_tokens(sampling, prompt_len, limits)
 
 
 def check_target(t: wpb.KVTarget, own_digest: str, own_layout: str) -> None:

@@ -17,17 +17,21 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services import wire
-from services.api import validation
-from services.api.server import Service
-from services.api.servicer import abort_with
 from services.engine.outputs import delta_of_output, vllm_params
-from services.errors import Aborted, IncompatiblePair, Unavailable
+from services.errors import Aborted, IncompatiblePair, InvalidRequest, Unavailable
 from services.kv import worker_ext
-from services.kv.params import LOAD_KEY, check_fault, recv_params
+from services.kv.params import LoadReport, RecvParams, check_fault
+from services.limits import Limits
 from services.messages import Delta, Timings
 from services.observability import tracing
-from services.observability.request_spans import decode_span, finish_decode
+from services.observability.request_spans import (
+    DecodeTally,
+    KVLoad,
+    decode_span,
+    finish_decode,
+)
 from services.observability.spans import error_type
+from services.server.grpc_server import Service
 from services.worker import checks
 from services.worker.worker import Worker
 
@@ -53,7 +57,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         facts = worker.engine.facts
-        self.limits = validation.Limits(facts.name, facts.max_model_len, facts.vocab_size)
+        self.limits = Limits(facts.name, facts.max_model_len, facts.vocab_size)
         self.policy = worker.config.kv_load_failure_policy
 
     def _prompt(self, req: wpb.DecodeRequest) -> list[int]:
@@ -68,7 +72,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         if not local:
             checks.check_id("handle.transfer_id", h.transfer_id)
             if not 0 < h.num_tokens <= len(req.prompt_token_ids):
-                raise validation.invalid(
+                raise InvalidRequest(
                     f"handle.num_tokens: {h.num_tokens} must be in 1..{len(req.prompt_token_ids)}"
                     " (the prompt's tokens)")
         check_fault(req.fault, self.worker.config.allow_fault_injection)
@@ -82,7 +86,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         h = req.handle
         epoch = self.worker.identity.epoch
         if h.decode_epoch == epoch:
-            return {"kv_transfer_params": recv_params(h.transfer_id, h.num_tokens, req.fault)}
+            return {"kv_transfer_params": RecvParams(h.transfer_id, h.num_tokens,
+                                                     req.fault).to_params()}
         stale = (f"stale transfer handle {h.transfer_id}: its KV was sent to epoch "
                  f"{h.decode_epoch} of this worker, which restarted (epoch {epoch})")
         KV_FAILURES.labels(self.policy).inc()
@@ -105,7 +110,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         except Exception as e:
             span.fail(e, error_type(e))
             span.end()
-            await abort_with(context, e)
+            raise
         stream = self.worker.engine.generate(ids, params, req.request_id)
         try:
             async for out in stream:
@@ -120,60 +125,57 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                 if delta.finish_reason == "error":
                     raise Unavailable("the prompt's KV transfer failed and the KV load failure "
                                       "policy is 'fail'; retry the request")
-                delta.timings = self._timings(delta, out, req)
+                report = self._report(out) if req.HasField("handle") else None
+                delta.timings = self._timings(delta, report, req)
                 if span:
-                    h = req.handle
-                    finish_decode(span, parent, self._report(out) if req.HasField("handle")
-                                  else None, delta.timings,
-                                  (h.transfer_id, self.worker.config.kv_transport,
-                                   h.prefill_worker_id, me.worker_id), received_wall,
-                                  first_step_wall, steps, tokens, delta.finish_reason)
+                    load = None if report is None else KVLoad(
+                        report, self.worker.config.kv_transport, req.handle.prefill_worker_id,
+                        me.worker_id)
+                    finish_decode(span, parent, DecodeTally(
+                        received_wall, first_step_wall, steps, tokens, delta.finish_reason),
+                        delta.timings, load)
                 yield wire.final_pb(delta)
                 return
             raise Aborted("the request was aborted by the server")
         except Exception as e:
             span.fail(e, error_type(e))
-            await abort_with(context, e)
+            raise
         finally:
             span.end()
             await stream.aclose()  # type: ignore[attr-defined]
 
     @staticmethod
-    def _report(out: Any) -> dict[str, Any] | None:
+    def _report(out: Any) -> LoadReport | None:
         """The connector's report on this request's KV load (None: nothing loaded)."""
-        report = (getattr(out, "kv_transfer_params", None) or {}).get(LOAD_KEY)
-        return report if isinstance(report, dict) else None
+        return LoadReport.of_output(getattr(out, "kv_transfer_params", None))
 
-    def _timings(self, delta: Delta, out: Any, req: wpb.DecodeRequest) -> Timings:
+    def _timings(self, delta: Delta, report: LoadReport | None, req: wpb.DecodeRequest
+                 ) -> Timings:
         t = delta.timings
         if not req.HasField("handle"):  # prefilled here: the phases as colocated reports them
             timings = Timings(queue_s=t.queue_s, prefill_s=t.prefill_s, decode_s=t.decode_s)
         else:
             timings = Timings(decode_queue_s=t.queue_s, decode_s=t.prefill_s + t.decode_s)
-        report = self._report(out)
         if report is None:
             return timings
-        if not report["ok"]:
+        if not report.ok:
             KV_FAILURES.labels(self.policy).inc()
             return timings
         h = req.handle
-        first, last = report["first_byte_wall"], report["last_byte_wall"]
+        first, last = report.first_byte_wall, report.last_byte_wall
         timings.kv_transfer_s = max(0.0, last - first)
-        timings.kv_transfer_bytes = int(report["bytes"])
+        timings.kv_transfer_bytes = report.nbytes
         timings.kv_transfer_hidden_s = overlap(first, last, h.prefill_start_wall,
                                                h.prefill_done_wall)
-        KV_BYTES.inc(report["bytes"])
+        KV_BYTES.inc(report.nbytes)
         KV_SECONDS.observe(timings.kv_transfer_s)
         return timings
 
     async def Release(self, req: wpb.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> wpb.ReleaseResponse:
-        try:
-            checks.check_id("transfer_id", req.transfer_id)
-            if self.worker.identity.role == "decode":  # a prefill worker receives no KV
-                await worker_ext.release(self.worker.engine.llm, req.transfer_id)
-        except Exception as e:
-            await abort_with(context, e)
+        checks.check_id("transfer_id", req.transfer_id)
+        if self.worker.identity.role == "decode":  # a prefill worker receives no KV
+            await worker_ext.release(self.worker.engine.llm, req.transfer_id)
         RELEASED.inc()
         return wpb.ReleaseResponse()
 

@@ -12,16 +12,15 @@ import grpc
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services import wire
-from services.api import validation
-from services.api.server import Service
-from services.api.servicer import abort_with
 from services.engine.outputs import delta_of_output, vllm_params
 from services.errors import Aborted, InvalidRequest
-from services.kv.params import check_fault, send_params
+from services.kv.params import SendParams, check_fault
+from services.limits import Limits
 from services.messages import Sampling
 from services.observability import tracing
 from services.observability.request_spans import NULL_PREFILL, PrefillSpan, prefill_span
 from services.observability.spans import error_type
+from services.server.grpc_server import Service
 from services.worker import checks
 from services.worker.worker import Worker
 
@@ -34,7 +33,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
     def __init__(self, worker: Worker) -> None:
         self.worker = worker
         facts = worker.engine.facts
-        self.limits = validation.Limits(facts.name, facts.max_model_len, facts.vocab_size)
+        self.limits = Limits(facts.name, facts.max_model_len, facts.vocab_size)
 
     def _check(self, req: wpb.PrefillRequest) -> None:
         checks.check_id("request_id", req.request_id)
@@ -59,16 +58,16 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
             return await self._prefill(req, sampling, span)
         except Exception as e:
             span.fail(e, error_type(e))
-            await abort_with(context, e)
-            raise  # not reached: abort raises
+            raise
         finally:
             span.end()
 
     async def _prefill(self, req: wpb.PrefillRequest, sampling: Sampling,
                        span: PrefillSpan = NULL_PREFILL) -> wpb.PrefillResponse:
         t = req.target
-        kv_params = send_params(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
-                                t.fingerprint_digest, req.fault, same_host=t.same_host)
+        kv_params = SendParams(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
+                               t.fingerprint_digest, req.fault, same_host=t.same_host
+                               ).to_params()
         params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params})
         prompt = list(req.prompt_token_ids)
         start_wall = time.time()

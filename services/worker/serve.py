@@ -10,7 +10,6 @@ import logging
 import os
 from collections.abc import Callable
 
-from services.api.server import Bound, ServerConfig, Service, serve
 from services.engine.config import EngineConfig
 from services.errors import EngineDead
 from services.kv.worker_ext import watch_staging
@@ -18,8 +17,11 @@ from services.observability import tracing
 from services.registry.config import ClusterStateConfig
 from services.registry.heartbeat import heartbeat_forever
 from services.registry.registry import Registry
-from services.rpc import local_host, use_internal_tls
 from services.security.policy import internal_tls
+from services.server.channels import local_host
+from services.server.grpc_server import Bound, Service, serve
+from services.server.listener import Listener
+from services.server.settings import ServerConfig
 from services.worker.config import Role, WorkerConfig
 from services.worker.decode import decode_service
 from services.worker.prefill import prefill_service
@@ -51,9 +53,8 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
     # The signer first: a missing cluster secret fails before the engine spends a minute.
     signer = (cluster or ClusterStateConfig()).signer(  # type: ignore[call-arg]
         f"{role} worker") if config.redis_url else None
-    # Before the engine starts: its KV connector takes the internal TLS files from here.
-    use_internal_tls(internal_tls(server_cfg))
-    worker = Worker.start(role, engine_cfg, config)
+    # The KV transports serve and dial with this process's internal mTLS identity.
+    worker = Worker.start(role, engine_cfg, config, tls=internal_tls(server_cfg))
     tracing.setup_from(server_cfg, f"pdserve-{role}", worker.identity.worker_id)
     # A prefill worker also answers Decode for whole requests (no transfer handle): with
     # the decode pool gone, the router sends it whole requests instead of refusing them.
@@ -91,7 +92,8 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
             registry, lambda: worker.record(address, bound.metrics_port), config.heartbeat_s)))
 
     try:
-        await serve(server_cfg, services, banner, on_ready=register, stop=stop, internal=True)
+        await serve(server_cfg, services, banner, Listener.internal(server_cfg),
+                    on_ready=register, stop=stop)
     finally:
         for task in (*tasks, *heartbeats):
             task.cancel()

@@ -20,9 +20,11 @@ from services.engine.config import EngineConfig, cpu_only
 from services.engine.engine import Engine
 from services.kv.fingerprint import LayoutFingerprint
 from services.kv.layout import fingerprint_of
+from services.kv.settings import TRANSPORT_DEFAULTS, KVSettings
 from services.registry.heartbeat import vllm_load
 from services.registry.records import WorkerRecord
-from services.rpc import internal_tls_files, local_host
+from services.security.tls import TLSFiles
+from services.server.channels import local_host
 from services.worker.config import Role, WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -42,42 +44,40 @@ class WorkerIdentity:
         return cls(name, role, time.time_ns())
 
 
-def kv_tls_extra() -> dict[str, str]:
-    """The KV transports' mTLS files (the connector's `tls_*_file` keys): this process's
-    internal TLS identity, or empty (plaintext)."""
-    files = internal_tls_files()
-    if files is None:
-        return {"tls_ca_file": "", "tls_cert_file": "", "tls_key_file": ""}
-    return {"tls_ca_file": str(files.ca or ""), "tls_cert_file": str(files.cert or ""),
-            "tls_key_file": str(files.key or "")}
+def kv_settings(identity: WorkerIdentity, config: WorkerConfig, port_file: str,
+                staging_bytes: int, tls: TLSFiles | None) -> KVSettings:
+    """The KV connector's settings for this worker: `config`'s KV settings under the
+    worker's identity; `port_file` (decode) is where the receiver writes the port it
+    bound; `staging_bytes` caps the receiver's staging (0: the transports' default);
+    `tls` is the worker's internal mTLS identity (None: plaintext)."""
+    files = tls or TLSFiles()
+    return KVSettings(
+        worker_id=identity.worker_id, epoch=identity.epoch, kv_host=config.kv_host,
+        kv_port=config.kv_port, port_file=port_file, kv_transport=config.kv_transport,
+        lease_s=config.kv_lease_s, load_timeout_s=config.kv_load_timeout_s,
+        checksum=config.kv_checksum, max_streams=config.kv_max_streams, shm=config.kv_shm,
+        cuda_ipc=config.kv_cuda_ipc, header_timeout_s=config.kv_header_timeout_s,
+        max_staged_bytes=staging_bytes or TRANSPORT_DEFAULTS.max_staged_bytes,
+        tls_ca_file=str(files.ca or ""), tls_cert_file=str(files.cert or ""),
+        tls_key_file=str(files.key or ""), allow_faults=config.allow_fault_injection,
+    )
 
 
 def kv_transfer_config(identity: WorkerIdentity, config: WorkerConfig, port_file: str = "",
-                       kv_cache_bytes: int = 0) -> Any:
+                       kv_cache_bytes: int = 0, tls: TLSFiles | None = None) -> Any:
     """vLLM's KV transfer config for this worker's role. The receiver's staging cap is
     `kv_staging_gib`, or else the size of the engine's KV cache (a decode worker never
     needs to hold more than it could admit)."""
     from vllm.config import KVTransferConfig
 
     staging = int(config.kv_staging_gib * (1 << 30)) or kv_cache_bytes
-    extra: dict[str, Any] = {
-        "worker_id": identity.worker_id, "epoch": identity.epoch, "port_file": port_file,
-        "kv_host": config.kv_host, "kv_port": config.kv_port,
-        "kv_transport": config.kv_transport,
-        "lease_s": config.kv_lease_s, "load_timeout_s": config.kv_load_timeout_s,
-        "allow_faults": config.allow_fault_injection,
-        "checksum": config.kv_checksum, "shm": config.kv_shm,
-        "cuda_ipc": config.kv_cuda_ipc,
-        "staging_max_bytes": staging,
-        "header_timeout_s": config.kv_header_timeout_s, "max_streams": config.kv_max_streams,
-        **kv_tls_extra(),
-    }
+    settings = kv_settings(identity, config, port_file, staging, tls)
     return KVTransferConfig(
         kv_connector="PdserveConnector",
         kv_connector_module_path="services.kv.connector",
         kv_role="kv_producer" if identity.role == "prefill" else "kv_consumer",
         kv_load_failure_policy=config.kv_load_failure_policy,
-        kv_connector_extra_config=extra,
+        kv_connector_extra_config=settings.to_dict(),
     )
 
 
@@ -92,14 +92,18 @@ class Worker:
     kv_address: str
 
     @classmethod
-    def start(cls, role: Role, engine_cfg: EngineConfig, config: WorkerConfig) -> Worker:
+    def start(cls, role: Role, engine_cfg: EngineConfig, config: WorkerConfig,
+              tls: TLSFiles | None = None) -> Worker:
+        """Start the engine; its KV channels use the internal mTLS identity `tls` (None:
+        plaintext)."""
         identity = WorkerIdentity.new(role, config.worker_id)
         address = ""
         with tempfile.TemporaryDirectory(prefix="pdserve-kv-") as tmp:
             # decode: the KV receiver binds its port inside the engine and writes it here
             port_file = str(Path(tmp) / "port") if role == "decode" else ""
             cache = int(engine_cfg.kv_cache_gib * (1 << 30)) if cpu_only() else 0
-            engine = Engine(engine_cfg, kv_transfer_config(identity, config, port_file, cache))
+            engine = Engine(engine_cfg,
+                            kv_transfer_config(identity, config, port_file, cache, tls))
             engine.start()
             if role == "decode":
                 host = config.kv_advertise_host or local_host(config.kv_host)

@@ -14,7 +14,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2 as tpb
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2_grpc as tpb_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue
 
-from services.rpc import free_port
+from services.server.channels import free_port
 
 
 def value_of(v: AnyValue) -> Any:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from services.rpc import free_port
+from services.server.channels import free_port
 
 
 @dataclass

@@ -162,7 +162,7 @@ def test_unreachable_server_is_reported_per_request(tmp_path: Path) -> None:
 @pytest.mark.timeout(300)
 def test_load_spread_over_ray_actors_is_one_run(tmp_path: Path) -> None:
     """Two Ray actors each send half of one schedule; the records merge into one run."""
-    from services.bench.arrivals import ArrivalConfig, send_offsets
+    from services.traffic.arrivals import ArrivalConfig, send_offsets
 
     out = tmp_path / "ray"
     with simulator("--ttft-s", "0.01", "--tpot-s", "0.002") as port:

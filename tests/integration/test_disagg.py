@@ -18,9 +18,9 @@ from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api.client import PdserveClient, build_request, collect
 from services.kv.params import FAULT_CORRUPT_CHUNK, FAULT_NOISE_KV
+from services.launcher.local_pair import pair_view
 from services.messages import GenerationRequest, Sampling
 from services.router.config import RouterConfig
-from services.router.local import pair_view
 from services.router.router import RouterBackend
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import DisaggStack, ServerProcess, scrape

@@ -295,6 +295,23 @@ def check_pdserve_command(argv: list[str], env: dict[str, str],
                 for name in COMMAND_MODELS[args.command]}
 
 
+def with_settings_file(argv: list[str], template: dict[str, Any], objects: Any,
+                       tmp_path: Path) -> list[str]:
+    """`argv` with its `--config` path (a file the pod mounts from a ConfigMap) replaced by
+    a copy of that file under `tmp_path`, so pdserve reads what the pod would."""
+    if "--config" not in argv:
+        return argv
+    at = argv.index("--config") + 1
+    directory, name = argv[at].rsplit("/", 1)
+    (container,) = [c for c in template["spec"]["containers"]
+                    if any(m["mountPath"] == directory for m in c.get("volumeMounts", []))]
+    (mount,) = [m for m in container["volumeMounts"] if m["mountPath"] == directory]
+    (volume,) = [v for v in template["spec"]["volumes"] if v["name"] == mount["name"]]
+    copy = tmp_path / f"{volume['configMap']['name']}-{name}"
+    copy.write_text(config_maps(objects)[volume["configMap"]["name"]][name])
+    return [*argv[:at], str(copy), *argv[at + 1:]]
+
+
 def pdserve_argv_from_shell(script: str) -> list[str]:
     """`pdserve ...` as a shell command line runs it (after `exec`)."""
     words = shlex.split(script.replace(";", " ; ").replace("&&", " && "))
@@ -385,10 +402,13 @@ def test_router_service_exposes_grpc_http_and_metrics() -> None:
 @needs_helm
 @pytest.mark.parametrize("scenario", SCENARIOS)
 def test_containers_run_pdserve_with_valid_settings(
-        scenario: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        scenario: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     objects = rendered(scenario)
     seen = set()
-    for data in config_maps(objects).values():
+    for name, data in config_maps(objects).items():
+        if name.endswith("-file"):  # a settings file (test_settings_files_reach_pdserve)
+            assert set(data) == {"pdserve.yaml"}, name
+            continue
         unknown = sorted(k for k in data if k not in settings_env_names())
         assert not unknown, f"ConfigMap keys that are no pdserve setting: {unknown}"
     for where, template in pod_specs(objects):
@@ -405,6 +425,8 @@ def test_containers_run_pdserve_with_valid_settings(
                 script = container["args"][-1]
                 assert container["command"][0] == "/bin/bash", where
                 argv = pdserve_argv_from_shell(script)
+            assert "--config" in argv, where
+            argv = with_settings_file(argv, template, objects, tmp_path)
             settings = check_pdserve_command(argv, env, monkeypatch)
             seen.add(argv[0])
             if argv[0] in ("router", "prefill", "decode", "up"):
@@ -469,6 +491,34 @@ def test_every_user_setting_reaches_its_configmap(monkeypatch: pytest.MonkeyPatc
 
 
 @needs_helm
+def test_settings_files_reach_pdserve(monkeypatch: pytest.MonkeyPatch,
+                                      tmp_path: Path) -> None:
+    """values.config.<role> is the settings file the role's pdserve starts with; the
+    variables the chart sets win over it."""
+    values = {
+        "engine": {"max_num_seqs": 32},
+        "config": {"decode": {"engine": {"max_model_len": 4096, "max_num_seqs": 8},
+                              "worker": {"kv_staging_gib": 4}},
+                   "router": {"router": {"policy": "round_robin"}}},
+    }
+    objects = render(values)
+    for role in ROLES:
+        template = find(objects, "Deployment", f"{FULLNAME}-{role}")["spec"]["template"]
+        container = template["spec"]["containers"][0]
+        argv = with_settings_file(list(container["args"]), template, objects, tmp_path)
+        assert argv[:2] == [role, "--config"]
+        settings = check_pdserve_command(argv, container_env(container, objects), monkeypatch)
+        if role == "decode":
+            engine, worker = settings["EngineConfig"], settings["WorkerConfig"]
+            assert engine.max_model_len == 4096 and worker.kv_staging_gib == 4  # the file
+            assert engine.max_num_seqs == 32  # the chart's variable beats the file
+        elif role == "router":
+            assert settings["RouterConfig"].policy == "round_robin"
+    files = config_maps(objects)
+    assert yaml.safe_load(files[f"{FULLNAME}-prefill-file"]["pdserve.yaml"]) == {}
+
+
+@needs_helm
 def test_a_settings_change_restarts_only_the_pods_it_concerns() -> None:
     def checksums(values: dict[str, Any]) -> dict[str, str]:
         objects = render(values)
@@ -479,6 +529,8 @@ def test_a_settings_change_restarts_only_the_pods_it_concerns() -> None:
     router = checksums({"router": {"settings": {"max_inflight": 10}}})
     decode = checksums({"decode": {"engine": {"max_num_seqs": 8}}})
     shared = checksums({"engine": {"max_model_len": 1024}})
+    decode_file = checksums({"config": {"decode": {"engine": {"max_num_seqs": 8}}}})
+    assert [r for r in ROLES if decode_file[r] != base[r]] == ["decode"]
     assert [r for r in ROLES if router[r] != base[r]] == ["router"]
     assert [r for r in ROLES if decode[r] != base[r]] == ["decode"]
     assert [r for r in ROLES if shared[r] != base[r]] == ["prefill", "decode"]
@@ -841,7 +893,8 @@ def test_service_monitor_scrapes_every_metrics_port() -> None:
 
 @needs_helm
 def test_kuberay_mode_renders_a_raycluster_the_launcher_can_fill() -> None:
-    from services.launcher.up import LauncherConfig, Supervisor
+    from services.launcher.actor_spec import RayOptions
+    from services.launcher.settings import LauncherConfig
 
     objects = rendered("kuberay")
     values = scenario_values("kuberay")
@@ -852,9 +905,7 @@ def test_kuberay_mode_renders_a_raycluster_the_launcher_can_fill() -> None:
     assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
 
     # What the launcher's actors ask Ray for, per role.
-    supervisor = Supervisor.__new__(Supervisor)
-    supervisor.stack = type("Stack", (), {"launcher": LauncherConfig()})()
-    wanted = {role: supervisor._options(role, f"{role}-0")["resources"]
+    wanted = {role: RayOptions.of(LauncherConfig(), role, f"{role}-0", "").kwargs()["resources"]
               for role in ("prefill", "decode", "router")}
 
     def ray_resources(params: dict[str, str]) -> dict[str, int]:
@@ -879,7 +930,8 @@ def test_kuberay_mode_renders_a_raycluster_the_launcher_can_fill() -> None:
     head_labels = cluster["spec"]["headGroupSpec"]["template"]["metadata"]["labels"]
     assert _selects({"matchLabels": service["spec"]["selector"]}, head_labels)
     head_container = cluster["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert pdserve_argv_from_shell(head_container["args"][0]) == ["up", "--ray-address", "auto"]
+    assert pdserve_argv_from_shell(head_container["args"][0]) == [
+        "up", "--ray-address", "auto", "--config", "/etc/pdserve/config/pdserve.yaml"]
     assert "KUBERAY_GEN_RAY_START_CMD//--block/" in head_container["args"][0]
 
 
@@ -935,6 +987,12 @@ def test_raycluster_uses_the_ray_of_the_lock() -> None:
     ({"router": {"settings": {"policy": "random"}}}, "/router/settings/policy'"),
     ({"router": {"server": {"port": 1}}}, "additional properties 'port' not allowed"),
     ({"kuberay": {"launcher": {"prefill": 3}}}, "additional properties 'prefill' not allowed"),
+    ({"config": {"prefill": {"engine": {"kv_cache_gb": 2}}}},
+     "additional properties 'kv_cache_gb' not allowed"),
+    ({"config": {"decode": {"enigne": {}}}}, "additional properties 'enigne' not allowed"),
+    ({"config": {"router": {"server": {"port": 1}}}}, "additional properties 'port' not allowed"),
+    ({"config": {"decode": {"worker": {"kv_transport": "rdma"}}}},
+     "/config/decode/worker/kv_transport'"),
     ({"decode": {"resources": {"limits": {"nvidia.com/gpu": "two"}}}}, "nvidia.com~1gpu"),
     ({"decode": {"ports": {"kv": 70000}}}, "/decode/ports/kv': maximum"),
     ({"model": {"source": "s3"}}, "/model/source'"),
@@ -970,6 +1028,10 @@ def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None
      "prefill.autoscaling.minReplicas (5) exceeds maxReplicas (2)"),
     ({"kuberay": {"enabled": True}, "prefill": {"engine": {"max_num_seqs": 8}}},
      "kuberay.enabled: prefill.engine is not used"),
+    ({"kuberay": {"enabled": True}, "config": {"decode": {"engine": {"max_num_seqs": 8}}}},
+     "kuberay.enabled: config.decode is not used"),
+    ({"config": {"launcher": {"launcher": {"routers": 2}}}},
+     "config.launcher is used with kuberay.enabled only"),
 ])
 @needs_helm
 def test_inconsistent_values_fail_with_a_clear_message(values: dict[str, Any],

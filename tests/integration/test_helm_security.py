@@ -90,8 +90,8 @@ async def test_generated_internal_certificates_complete_an_mtls_handshake(
     from cryptography import x509
     from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-    from services.rpc import grpc_options
-    from services.security.policy import add_internal_port, internal_channel
+    from services.server.channels import dial, grpc_options
+    from services.server.ports import add_internal_port
 
     objects = rendered("default")
     files = {}
@@ -111,8 +111,7 @@ async def test_generated_internal_certificates_complete_an_mtls_handshake(
     port = add_internal_port(server, "127.0.0.1:0", files["decode"])
     await server.start()
     try:
-        async with internal_channel(f"127.0.0.1:{port}", files["router"],
-                                    grpc_options()) as channel:
+        async with dial(f"127.0.0.1:{port}", files["router"]) as channel:
             await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                             timeout=10)
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as plain:

@@ -14,7 +14,7 @@ import torch
 
 from services.kv.consumer import Consumer
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.params import LoadJob, PdserveConnectorMetadata, SaveJob
+from services.kv.metadata import LoadJob, PdserveConnectorMetadata, SaveJob
 from services.kv.producer import Producer
 from services.kv.transport import TransportConfig
 
@@ -87,7 +87,12 @@ def test_blocks_arrive_bit_exact_where_the_decode_side_wants_them(
         assert not decode_cache[name][untouched].any()
     reports = consumer.worker_meta()
     assert reports is not None and reports.reports[0].ok
-    assert reports.reports[0].nbytes == 3 * 3 * prefill_cache[LAYERS[0]][0].nbytes
+    report = reports.reports[0]
+    assert report.nbytes == 3 * 3 * prefill_cache[LAYERS[0]][0].nbytes
+    # Each layer (6 KiB) fits one 8 KiB gRPC chunk; shm announces whole layers: one
+    # verified piece per layer either way, and the receiver timed their checksums.
+    assert report.chunks == len(LAYERS) and report.checksum_s > 0
+    assert report.first_byte_wall <= report.last_byte_wall
     # The prefill side frees its blocks only after the ack and after vLLM finished it:
     # until vLLM says the request is finished, it is never reported.
     assert job.req_id not in producer.get_finished(set())

@@ -521,8 +521,7 @@ def test_a_transfer_released_while_its_buffers_are_made_is_refused() -> None:
     # lands then must still turn the transfer away, not leave it staged for its lease
     # (seen as one staged transfer left after a burst of cancelled requests).
     from services.kv.transport.slab_pool import SlabPool
-    from services.kv.transport.staged import Refused
-    from services.kv.transport.staging import StagingTable
+    from services.kv.transport.staging import Refused, StagingTable
 
     table, tid = StagingTable(RX_ID, CFG), "released-mid-open"
 

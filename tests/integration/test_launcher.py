@@ -26,15 +26,14 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api.client import PdserveClient
-from services.launcher.desired import set_desired
 from services.launcher.planning import decode_pages
+from services.launcher.scale import set_desired
 from services.plan.live import TrafficMeter
 from services.registry.records import WorkerRecord
 from services.registry.registry import Registry
 from services.registry.signing import RecordSigner
-from services.rpc import grpc_options
 from services.security.certs import internal_files
-from services.security.policy import internal_channel
+from services.server.channels import dial
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import ServerProcess, free_port, scrape, stop_group
 from tests.helpers.sockets import Listener, listeners, pid_listening_on, tree
@@ -42,7 +41,7 @@ from tests.helpers.sockets import Listener, listeners, pid_listening_on, tree
 pytestmark = pytest.mark.engine
 DRAIN_TOKENS = 400  # a stream that outlasts the scale-down (a second or two) on a fast host
 
-# Ray's own listeners, which take no bind address (see services/launcher/up.py): they
+# Ray's own listeners, which take no bind address (see services/launcher/ray_cluster.py): they
 # listen on every interface (the runtime-env agent on the machine's address) even with a
 # loopback node address, and are covered by Ray's token authentication. Matched on the
 # process title Ray sets, or on the script a Python process runs.
@@ -140,7 +139,7 @@ class Up:
         """A channel to one of the stack's workers, as its router (the stack's own CA:
         internal ports are mutual TLS)."""
         files = internal_files(self.state()["tls_dir"], "router")
-        return internal_channel(address, files, grpc_options())
+        return dial(address, files)
 
     def pdserve(self, *args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([sys.executable, "-m", "services.cli", *args],

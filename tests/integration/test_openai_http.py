@@ -216,10 +216,10 @@ async def test_disconnect_aborts_engine_request(http: httpx.AsyncClient,
     assert ok.json()["usage"]["completion_tokens"] == 2
 
 
-def readme_examples() -> tuple[list[str], str]:
-    """The curl commands and the Python snippet of the README's OpenAI section."""
-    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = text.split("## OpenAI-compatible HTTP", 1)[1].split("\n## ", 1)[0]
+def doc_examples() -> tuple[list[str], str]:
+    """The curl commands and the Python snippet of the OpenAI API page's quickstart."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "openai-api.md").read_text()
+    section = text.split("## Quickstart", 1)[1].split("\n## ", 1)[0]
     bash = section.split("```bash\n", 1)[1].split("```", 1)[0]
     commands, current = [], ""
     for line in bash.splitlines():  # one command: until no `\` and no open quote
@@ -232,9 +232,10 @@ def readme_examples() -> tuple[list[str], str]:
     return commands, python
 
 
-def test_readme_examples_work_as_written(colocated: ServerProcess) -> None:
-    """Every curl line and the `openai` snippet of the README, pointed at a live server."""
-    commands, python = readme_examples()
+def test_doc_examples_work_as_written(colocated: ServerProcess) -> None:
+    """Every curl line and the `openai` snippet of docs/openai-api.md, pointed at a live
+    server."""
+    commands, python = doc_examples()
     assert len(commands) == 5, commands
     address = f"127.0.0.1:{colocated.http_port}"
     outputs = []

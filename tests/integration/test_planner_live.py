@@ -14,17 +14,17 @@ import numpy as np
 import pytest
 from prometheus_client import CollectorRegistry, Histogram, start_http_server
 
-from services.bench.metrics import SLOs
 from services.launcher.desired import Desired, DesiredState
 from services.launcher.planning import _round
-from services.launcher.up import Watch
+from services.launcher.watch import Watch
 from services.plan.costmodel import Profile
 from services.plan.live import OUTPUT, PROMPT, LivePlanner, PlannerSettings, TrafficMeter
 from services.registry.records import WorkerRecord
 from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry
 from services.registry.signing import RecordSigner
-from services.rpc import free_port
+from services.server.channels import free_port
+from services.traffic.slo import SLOs
 from tests.unit.test_plan_live import BUCKETS, GPU_PROFILE
 
 SECRET = b"planner-test-secret-0123456789abcdef"

@@ -19,7 +19,7 @@ import pytest
 import redis as sync_redis
 from prometheus_client import REGISTRY
 
-from services.launcher.desired import LauncherError, set_desired
+from services.launcher.scale import LauncherError, set_desired
 from services.registry.records import WorkerRecord
 from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry

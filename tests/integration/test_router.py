@@ -10,7 +10,7 @@ import signal
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -18,12 +18,26 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.api.client import PdserveClient, build_request, collect
+from services.messages import GenerationRequest, Sampling
+from services.registry.records import WorkerRecord
 from services.registry.redis_server import RedisServer
-from services.registry.registry import Registry
+from services.registry.registry import Registry, redis_client
 from services.registry.signing import RecordSigner
+from services.router.config import RouterConfig
+from services.router.router import RouterBackend
+from services.router.view import FixedView
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import ServerProcess, scrape
 from tests.helpers.streams import reference, streams_through
+from tests.unit.test_pair_run import (
+    ANSWER,
+    FakeDecodeWorker,
+    FakePrefillWorker,
+    FakeTokenizer,
+    record,
+    serve_fake,
+)
+from tests.unit.test_pair_run import collect as collect_deltas
 
 pytestmark = pytest.mark.engine
 
@@ -90,6 +104,58 @@ def worker_counts(router: ServerProcess, role: str) -> Counter[str]:
             if s.name == "pdserve_router_worker_requests_total" and s.labels["role"] == role:
                 counts[s.labels["worker"]] = int(s.value)
     return counts
+
+
+class PrefixIndexOnRedis(FixedView):
+    """The fixed workers, with the prefix index of a real Redis registry."""
+
+    def __init__(self, records: list[WorkerRecord], registry: Registry) -> None:
+        super().__init__(records)
+        self.registry = registry
+
+    async def prefix_hits(self, block_hashes: Sequence[str], block_size: int) -> dict[str, int]:
+        return await self.registry.prefix_hits(block_hashes, block_size)
+
+    async def record_prefix(self, worker_id: str, block_hashes: Sequence[str]) -> None:
+        await self.registry.record_prefix(worker_id, block_hashes)
+
+
+async def test_a_stalled_prefix_index_write_does_not_hold_the_first_token() -> None:
+    # Redis stops taking writes (CLIENT PAUSE WRITE; reads go on): the prefix index
+    # write after token 1 stalls with it, in the background. The workers are fakes
+    # (scripted gRPC servicers): only the router and Redis are real.
+    redis = RedisServer().start()  # its own: the pause must not stall the pool's heartbeats
+    workers = {"p": FakePrefillWorker(), "d": FakeDecodeWorker()}
+    servers = {name: await serve_fake(w) for name, w in workers.items()}
+    # A client timeout far past the pause would hold a request that waited on the write.
+    registry = Registry(redis_client(redis.url, timeout_s=30.0))
+    view = PrefixIndexOnRedis([record("p", "prefill", servers["p"][1]),
+                               record("d", "decode", servers["d"][1])], registry)
+    backend = RouterBackend(RouterConfig(policy="load", local_prefill_max_tokens=0,
+                                         prefix_block_size=2), view,
+                            FakeTokenizer(), "")  # type: ignore[arg-type]
+    try:
+        await backend.start(0)
+        await registry.redis.execute_command("CLIENT", "PAUSE", "20000", "WRITE")
+        for request_id in ("first", "second"):
+            started = time.monotonic()
+            stream = backend.generate(GenerationRequest(request_id, [1, 2, 3, 4], Sampling(
+                temperature=0.0), 6))
+            first = await asyncio.wait_for(anext(stream), 10)
+            assert time.monotonic() - started < 2.0
+            tokens, last = await collect_deltas(stream)
+            assert [*first.token_ids, *tokens] == ANSWER[:6] and last.finish_reason
+        assert len(workers["p"].requests) == 2  # prefilled there (the lookup still read)
+        assert backend.prefix_hints.pending == 2  # both writes still waiting on Redis
+        await backend.close()  # cancels them
+        assert backend.prefix_hints.pending == 0
+    finally:
+        await registry.redis.execute_command("CLIENT", "UNPAUSE")
+        await backend.close()
+        await registry.close()
+        for server, _ in servers.values():
+            await server.stop(0)
+        redis.cleanup()
 
 
 async def test_router_output_identical_to_colocated(pool: Pool, colocated: ServerProcess,

@@ -27,12 +27,14 @@ from fastapi import FastAPI, Request
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from services.rpc import grpc_options
 from services.security import certs
 from services.security.apikeys import ApiKeys, authenticated_client
 from services.security.http_auth import ApiKeyMiddleware
-from services.security.policy import PublicAuth, add_internal_port, internal_channel
+from services.security.policy import PublicAuth
 from services.security.tls import INTERNAL_CHANNEL_OPTIONS, TLSFiles, channel_credentials
+from services.server.channels import dial, grpc_options
+from services.server.listener import interceptors
+from services.server.ports import add_internal_port, add_public_port
 
 ALICE = "alice-key-0123456789abcdef"
 
@@ -110,7 +112,7 @@ async def test_internal_port_serves_only_internal_peers(sets: tuple[Path, Path])
     router = certs.internal_files(ours, "router")
     async with grpc_server(lambda s, a: add_internal_port(s, a, decode)) as port:
         address = f"127.0.0.1:{port}"
-        ok = await health_check(internal_channel(address, router, grpc_options()))
+        ok = await health_check(dial(address, router))
         assert ok.status == health_pb2.HealthCheckResponse.SERVING
         # No certificate at all (trusting our CA).
         assert await refused(tls_channel(port, TLSFiles(ca=router.ca))) == \
@@ -129,7 +131,7 @@ async def test_internal_port_serves_only_internal_peers(sets: tuple[Path, Path])
         assert await refused(grpc.aio.insecure_channel(address)) == \
             grpc.StatusCode.UNAVAILABLE
         # The client side: a router of the other set does not accept our server.
-        assert await refused(internal_channel(address, foreign, grpc_options())) == \
+        assert await refused(dial(address, foreign)) == \
             grpc.StatusCode.UNAVAILABLE
 
 
@@ -139,9 +141,9 @@ async def test_internal_clients_check_the_internal_name(sets: tuple[Path, Path])
     ours, _ = sets
     server = certs.public_files(ours, "server")
     router = certs.internal_files(ours, "router")
-    bind = PublicAuth(None, TLSFiles(None, server.cert, server.key)).add_port
-    async with grpc_server(bind) as port:
-        assert await refused(internal_channel(f"127.0.0.1:{port}", router, grpc_options())) \
+    public = PublicAuth(None, TLSFiles(None, server.cert, server.key))
+    async with grpc_server(lambda s, a: add_public_port(s, a, public)) as port:
+        assert await refused(dial(f"127.0.0.1:{port}", router)) \
             == grpc.StatusCode.UNAVAILABLE
     decode = certs.internal_files(ours, "decode")
     async with grpc_server(lambda s, a: add_internal_port(s, a, decode)) as port:
@@ -155,7 +157,7 @@ async def test_public_tls_port(sets: tuple[Path, Path]) -> None:
     ours, theirs = sets
     server = certs.public_files(ours, "server")
     auth = PublicAuth(None, TLSFiles(None, server.cert, server.key))
-    async with grpc_server(auth.add_port) as port:
+    async with grpc_server(lambda s, a: add_public_port(s, a, auth)) as port:
         ok = await health_check(tls_channel(port, TLSFiles(ca=server.ca), internal=False))
         assert ok.status == health_pb2.HealthCheckResponse.SERVING
         # A client that trusts another CA refuses the server; plaintext gets nowhere.
@@ -172,7 +174,7 @@ async def test_public_port_with_client_certificates(sets: tuple[Path, Path]) -> 
     auth = PublicAuth(None, server)
     assert auth.requires_client_cert and auth.authenticated
     client = certs.public_files(ours, "client")
-    async with grpc_server(auth.add_port) as port:
+    async with grpc_server(lambda s, a: add_public_port(s, a, auth)) as port:
         ok = await health_check(tls_channel(port, client, internal=False))
         assert ok.status == health_pb2.HealthCheckResponse.SERVING
         assert await refused(tls_channel(port, TLSFiles(ca=client.ca), internal=False)) == \
@@ -201,7 +203,8 @@ async def test_api_keys_on_grpc() -> None:
     keys = ApiKeys.load(None, env={"PDSERVE_API_KEYS": f"alice:{ALICE}"})
     assert keys is not None
     auth = PublicAuth(keys, None)
-    async with grpc_server(auth.add_port, auth.interceptors()) as port:
+    async with grpc_server(lambda s, a: add_public_port(s, a, auth),
+                           interceptors(auth)) as port:
         channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
         async with channel:
             # Health stays open.

@@ -22,8 +22,8 @@ import pytest
 
 from services.api.client import PdserveClient
 from services.security import certs
-from services.security.policy import internal_channel
 from services.security.tls import TLSFiles
+from services.server.channels import dial
 from tests.helpers.servers import DisaggStack, free_port
 
 pytestmark = pytest.mark.engine
@@ -176,7 +176,6 @@ async def test_http(secured: Secured) -> None:
 async def test_worker_ports(secured: Secured, role: str) -> None:
     from pdserve.v1 import worker_pb2 as wpb
     from pdserve.v1 import worker_pb2_grpc as wpb_grpc
-    from services.rpc import grpc_options
 
     target = getattr(secured.stack, f"{role}_target")
     stub_of = (wpb_grpc.PrefillServiceStub if role == "prefill"
@@ -190,20 +189,20 @@ async def test_worker_ports(secured: Secured, role: str) -> None:
     assert await code_of(info(grpc.aio.insecure_channel(target))) == \
         grpc.StatusCode.UNAVAILABLE
     foreign = certs.internal_files(secured.other, "router")
-    assert await code_of(info(internal_channel(target, TLSFiles(
-        secured.internal.ca, foreign.cert, foreign.key), grpc_options()))) == \
+    assert await code_of(info(dial(target, TLSFiles(
+        secured.internal.ca, foreign.cert, foreign.key)))) == \
         grpc.StatusCode.UNAVAILABLE
     # A public-API client certificate of the same set is no internal peer either.
     client_cert = certs.public_files(secured.root, "client")
-    assert await code_of(info(internal_channel(target, TLSFiles(
-        secured.internal.ca, client_cert.cert, client_cert.key), grpc_options()))) == \
+    assert await code_of(info(dial(target, TLSFiles(
+        secured.internal.ca, client_cert.cert, client_cert.key)))) == \
         grpc.StatusCode.UNAVAILABLE
-    reply = await info(internal_channel(target, secured.internal, grpc_options()))
+    reply = await info(dial(target, secured.internal))
     assert reply.worker_id
     # No reflection on worker ports (not asked for).
     from grpc_reflection.v1alpha import reflection_pb2_grpc
 
-    async with internal_channel(target, secured.internal, grpc_options()) as channel:
+    async with dial(target, secured.internal) as channel:
         stub = reflection_pb2_grpc.ServerReflectionStub(channel)
         # Opened without writing (see test_public_reflection_follows_the_api).
         call = stub.ServerReflectionInfo(timeout=10)

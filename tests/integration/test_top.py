@@ -20,7 +20,7 @@ from services.observability.fleet import Fleet, Row
 from services.registry.records import WorkerLoad, WorkerRecord
 from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry
-from services.rpc import free_port
+from services.server.channels import free_port
 
 
 class FakeWorkerMetrics:

@@ -2,7 +2,8 @@
 router backend over a prefill and a decode worker, real vLLM engines, the KV shipped
 over gRPC), started with `--otlp-traces-endpoint` pointing at a `TraceService` in this
 test. One request is one trace: the router's span with the prefill, KV transfer and
-decode spans as its children, the transfer's bytes equal to what the response reports."""
+decode spans as its children, the transfer's bytes equal to what the response reports
+and its chunks and checksum time as the receiver measured them."""
 
 from __future__ import annotations
 
@@ -97,6 +98,10 @@ async def test_one_request_is_one_trace_nested_under_the_clients_span(
     kv = spans["pdserve.kv_transfer"].attributes
     assert kv["pdserve.kv.ok"] is True and kv["pdserve.kv.transport"] == "grpc"
     assert kv["pdserve.kv.bytes"] == timings["kv_transfer_bytes"] > 0
+    # Measured by the receiver: gRPC data frames of at most 1 MiB, each checksummed.
+    assert kv["pdserve.kv.chunks"] >= max(1, kv["pdserve.kv.bytes"] // (1 << 20))
+    assert kv["pdserve.kv.checksum_s"] > 0
+    assert kv["pdserve.kv.staged_s"] >= 0
     # (The client's timings leave out fields that are zero.)
     assert kv["pdserve.kv.hidden_s"] == pytest.approx(timings.get("kv_transfer_hidden_s", 0.0))
     assert kv["pdserve.kv.duration_s"] == pytest.approx(timings.get("kv_transfer_s", 0.0))

@@ -7,8 +7,8 @@ import pytest
 
 from services.bench.chaos_report import first_served, growth, longest_gaps, summarize_chaos
 from services.bench.faults import Fault, FaultEvent
-from services.bench.records import RequestRecord
 from services.bench.tokens import Tokens
+from services.traffic.record import RequestRecord
 
 
 def rec(index: int, send: float, chunks: list[float], ok: bool = True,
@@ -77,8 +77,8 @@ def test_reference_outputs_are_reused_only_for_the_same_requests(tmp_path) -> No
     import json
     import subprocess
 
-    from services.bench.records import RequestSpec
     from services.bench.reference import greedy_reference
+    from services.traffic.request import RequestSpec
 
     specs = [RequestSpec([1, 2, 3], 2), RequestSpec([4, 5], 3)]
     requests = json.dumps([{"prompt_token_ids": s.prompt_ids, "max_tokens": s.output_len}

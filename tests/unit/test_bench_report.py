@@ -11,13 +11,14 @@ from pathlib import Path
 import pytest
 
 from services.bench import cli
-from services.bench.arrivals import ArrivalConfig
 from services.bench.compare import compare_table, load_summary, write_compare_report
-from services.bench.metrics import SLOs
-from services.bench.records import RequestRecord, ServerTimings
 from services.bench.report import read_records_jsonl, write_report
 from services.bench.runner import RunResult
 from services.bench.targets import check_host
+from services.traffic.arrivals import ArrivalConfig
+from services.traffic.flags import request_count
+from services.traffic.record import RequestRecord, ServerTimings
+from services.traffic.slo import SLOs, parse_slos
 
 
 def fake_run(label: str, rate: float, ttft: float, n: int = 6) -> RunResult:
@@ -78,10 +79,10 @@ def test_compare_pairs_runs_by_label_and_writes_a_report(tmp_path: Path) -> None
 
 
 def test_slo_parsing() -> None:
-    assert cli.parse_slos(["ttft=2", "tpot=0.28,itl=0.3"]) == SLOs(2.0, 0.28, 0.3)
+    assert parse_slos(["ttft=2", "tpot=0.28,itl=0.3"]) == SLOs(2.0, 0.28, 0.3)
     for bad in (["ttft"], ["latency=1"]):
         with pytest.raises(ValueError):
-            cli.parse_slos(bad)
+            parse_slos(bad)
 
 
 def test_only_loopback_or_named_hosts_are_targets() -> None:
@@ -124,10 +125,10 @@ def test_parsed_commands_carry_their_function() -> None:
 def test_request_count_covers_the_duration() -> None:
     parser = make_parser()
     args = parser.parse_args(["bench", "run", "--rate", "10", "--duration", "20"])
-    assert cli.request_count(args, [10.0]) == 316
+    assert request_count(args, [10.0]) == 316
     args = parser.parse_args(["bench", "run", "--num-requests", "7", "--duration", "20"])
-    assert cli.request_count(args, [math.inf]) == 7
+    assert request_count(args, [math.inf]) == 7
     args = parser.parse_args(["bench", "run", "--duration", "20"])
     with pytest.raises(ValueError):
-        cli.request_count(args, [math.inf])
-    assert cli.request_count(parser.parse_args(["bench", "run"]), [1.0]) == 200
+        request_count(args, [math.inf])
+    assert request_count(parser.parse_args(["bench", "run"]), [1.0]) == 200

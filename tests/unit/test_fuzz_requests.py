@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from pdserve.v1 import generate_pb2 as pb
+from services import limits
 from services.api import validation as v
 from services.api.openai_schema import (
     ChatCompletionRequest,
@@ -22,7 +23,7 @@ from services.api.openai_schema import (
 )
 from services.errors import ClientError
 
-LIMITS = v.Limits(served_model="m", max_model_len=128, vocab_size=1000)
+LIMITS = limits.Limits(served_model="m", max_model_len=128, vocab_size=1000)
 FLOATS = st.floats(allow_nan=True, allow_infinity=True, width=32)
 INT32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
 SETTINGS = settings(max_examples=300, deadline=None,
@@ -53,8 +54,8 @@ def sampling(draw: st.DrawFn) -> pb.SamplingParams:
 def test_sampling_is_accepted_within_vllms_limits_or_refused(s: pb.SamplingParams,
                                                              prompt_len: int) -> None:
     try:
-        checked = v.check_sampling(s, LIMITS)
-        max_tokens = v.resolve_max_tokens(checked, prompt_len, LIMITS)
+        checked = limits.check_sampling(s, LIMITS)
+        max_tokens = limits.resolve_max_tokens(checked, prompt_len, LIMITS)
     except ClientError as e:
         assert e.message.split(":")[0], e.message  # names what is wrong
         return
@@ -82,7 +83,7 @@ def test_any_bytes_as_a_request(data: bytes) -> None:
         v.check_request_id(req.request_id)
         v.check_model(req.model, LIMITS)
         v.check_input(req, LIMITS)
-        v.check_sampling(req.sampling, LIMITS)
+        limits.check_sampling(req.sampling, LIMITS)
     except ClientError:
         pass
 
@@ -109,7 +110,7 @@ def test_any_openai_body(body: dict[str, Any], chat: bool) -> None:
     try:
         req = (chat_request(parsed, "r") if isinstance(parsed, ChatCompletionRequest)
                else completion_request(parsed, "r"))  # type: ignore[arg-type]
-        v.check_sampling(req.sampling, LIMITS)
+        limits.check_sampling(req.sampling, LIMITS)
     except ClientError:
         pass
 
@@ -117,4 +118,4 @@ def test_any_openai_body(body: dict[str, Any], chat: bool) -> None:
 @pytest.mark.parametrize("value", [float("inf"), float("-inf"), float("nan"), 1e30, 2.01])
 def test_vllm_limits_on_temperature(value: float) -> None:
     with pytest.raises(ClientError, match=r"sampling\.temperature"):
-        v.check_sampling(pb.SamplingParams(temperature=value), LIMITS)
+        limits.check_sampling(pb.SamplingParams(temperature=value), LIMITS)

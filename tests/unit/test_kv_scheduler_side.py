@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from services.kv.params import LOAD_KEY, LoadReport, LoadReports, recv_params, send_params
+from services.kv.metadata import LoadReports
+from services.kv.params import LOAD_KEY, LoadReport, RecvParams, SendParams
 from services.kv.scheduler_side import SchedulerSide
 
 BS = 128
@@ -50,7 +51,7 @@ class FakeConnectorOutput:
 
 
 def producer_request(n: int) -> FakeRequest:
-    return FakeRequest("p1", n, send_params("t1", "127.0.0.1:1", "grpc", 7, "abc"))
+    return FakeRequest("p1", n, SendParams("t1", "127.0.0.1:1", "grpc", 7, "abc").to_params())
 
 
 def test_producer_ships_all_prompt_blocks_in_the_completing_step() -> None:
@@ -86,7 +87,7 @@ def test_producer_frees_at_once_when_nothing_was_shipped() -> None:
 
 def test_consumer_claims_the_remote_tokens_beyond_its_local_prefix() -> None:
     side = SchedulerSide(BS, is_producer=False)
-    req = FakeRequest("d1", 301, recv_params("t1", 300))  # prompt + token 1
+    req = FakeRequest("d1", 301, RecvParams("t1", 300).to_params())  # prompt + token 1
     # 128 tokens already cached locally: claim the other 172, asynchronously
     assert side.get_num_new_matched_tokens(req, 128) == (172, True)  # type: ignore[arg-type]
     side.update_state_after_alloc(req, FakeBlocks([10, 11, 12]), 172)  # type: ignore[arg-type]
@@ -100,20 +101,20 @@ def test_consumer_claims_the_remote_tokens_beyond_its_local_prefix() -> None:
         FakeConnectorOutput(kv_connector_worker_meta=LoadReports([report]))
     )
     delay, params = side.request_finished(req, [10, 11, 12])  # type: ignore[arg-type]
-    assert not delay and params == {LOAD_KEY: report.as_params()}
+    assert not delay and params == {LOAD_KEY: report.to_dict()}
 
 
 def test_consumer_never_claims_the_last_token_or_a_full_local_hit() -> None:
     side = SchedulerSide(BS, is_producer=False)
-    req = FakeRequest("d2", 129, recv_params("t2", 500))  # more than the prompt holds
+    req = FakeRequest("d2", 129, RecvParams("t2", 500).to_params())  # more than the prompt holds
     assert side.get_num_new_matched_tokens(req, 0) == (128, True)  # type: ignore[arg-type]
-    hit = FakeRequest("d3", 257, recv_params("t3", 256))
+    hit = FakeRequest("d3", 257, RecvParams("t3", 256).to_params())
     assert side.get_num_new_matched_tokens(hit, 256) == (0, False)  # type: ignore[arg-type]
 
 
 def test_consumer_abort_while_waiting_cancels_the_load() -> None:
     side = SchedulerSide(BS, is_producer=False)
-    req = FakeRequest("d4", 201, recv_params("t4", 200))
+    req = FakeRequest("d4", 201, RecvParams("t4", 200).to_params())
     side.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
     side.update_state_after_alloc(req, FakeBlocks([1, 2]), 200)  # type: ignore[arg-type]
     side.build_connector_meta(FakeSchedulerOutput({}))  # type: ignore[arg-type]

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram
 
 from services.kv.fingerprint import LayoutFingerprint, PeerIdentity
-from services.kv.params import SaveJob, send_params
+from services.kv.metadata import SaveJob
+from services.kv.params import SendParams
 from services.kv.producer import Producer
 from services.kv.stats import FALLBACKS, FallbackMetrics, PdserveKVStats
 from services.kv.transport import TransportConfig
@@ -41,8 +42,10 @@ def test_a_peer_where_shm_failed_goes_straight_to_the_network() -> None:
 
 
 def test_send_params_carry_same_host() -> None:
-    assert send_params("t", "a:1", "grpc", 1, "d")["pdserve"]["same_host"] is False
-    assert send_params("t", "a:1", "grpc", 1, "d", same_host=True)["pdserve"]["same_host"]
+    assert SendParams("t", "a:1", "grpc", 1, "d").to_params()["pdserve"]["same_host"] is False
+    params = SendParams("t", "a:1", "grpc", 1, "d", same_host=True).to_params()
+    assert params["pdserve"]["same_host"] is True
+    assert SendParams.of(params) == SendParams("t", "a:1", "grpc", 1, "d", same_host=True)
 
 
 def test_fallback_stats_aggregate_and_reach_prometheus() -> None:

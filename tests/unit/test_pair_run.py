@@ -24,7 +24,7 @@ from services.router.config import RouterConfig
 from services.router.orchestrator import Peer, run_pair
 from services.router.router import RouterBackend
 from services.router.view import FixedView
-from services.rpc import dial
+from services.server.channels import dial
 
 ANSWER = [11, 12, 13, 14, 15, 16, 17, 18]  # the fake model's greedy answer to any prompt
 
@@ -157,7 +157,7 @@ async def fakes() -> AsyncIterator[dict[str, tuple[object, str]]]:
 
 async def test_pair_run_splits_the_budget_and_merges_the_timings(fakes) -> None:  # type: ignore[no-untyped-def]
     (prefill, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
-    async with dial(p_addr) as pc, dial(d_addr) as dc:
+    async with dial(p_addr, None) as pc, dial(d_addr, None) as dc:
         tokens, last = await collect(run_pair(request(6, 4), Peer("p", pc), Peer("d1", dc),
                                               wpb.KVTarget(worker_id="d1", epoch=1)))
     assert tokens == ANSWER[:6]
@@ -172,7 +172,7 @@ async def test_pair_run_splits_the_budget_and_merges_the_timings(fakes) -> None:
 
 async def test_a_one_token_answer_never_reaches_decode(fakes) -> None:  # type: ignore[no-untyped-def]
     (prefill, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
-    async with dial(p_addr) as pc, dial(d_addr) as dc:
+    async with dial(p_addr, None) as pc, dial(d_addr, None) as dc:
         tokens, last = await collect(run_pair(request(1), Peer("p", pc), Peer("d1", dc),
                                               wpb.KVTarget(worker_id="d1", epoch=1)))
         await asyncio.wait_for(decode.release_seen.wait(), 5)
@@ -184,7 +184,7 @@ async def test_a_one_token_answer_never_reaches_decode(fakes) -> None:  # type: 
 
 async def test_a_loaded_transfer_is_not_released(fakes) -> None:  # type: ignore[no-untyped-def]
     (_, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
-    async with dial(p_addr) as pc, dial(d_addr) as dc:
+    async with dial(p_addr, None) as pc, dial(d_addr, None) as dc:
         tokens, _ = await collect(run_pair(request(6), Peer("p", pc), Peer("d1", dc),
                                            wpb.KVTarget(worker_id="d1", epoch=1)))
         await asyncio.sleep(0.2)
@@ -195,7 +195,7 @@ async def test_a_cancelled_request_releases_its_transfer(fakes) -> None:  # type
     # The client goes away after token 1: the decode worker is told to drop the KV
     # shipped for the request (the prefill's transfer id) instead of holding it.
     (prefill, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
-    async with dial(p_addr) as pc, dial(d_addr) as dc:
+    async with dial(p_addr, None) as pc, dial(d_addr, None) as dc:
         stream = run_pair(request(6), Peer("p", pc), Peer("d1", dc),
                           wpb.KVTarget(worker_id="d1", epoch=1))
         first = await anext(stream)

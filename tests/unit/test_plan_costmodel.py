@@ -127,4 +127,4 @@ def test_the_one_core_profile_engine_runs_with_a_decode_workers_connector() -> N
     kv = _decode_connector(cfg)
     assert kv.kv_connector == "PdserveConnector" and kv.kv_role == "kv_consumer"
     extra = kv.kv_connector_extra_config
-    assert extra["kv_host"] == "127.0.0.1" and extra["staging_max_bytes"] == 1 << 30
+    assert extra["kv_host"] == "127.0.0.1" and extra["max_staged_bytes"] == 1 << 30

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import pytest
 
-from services.bench.arrivals import ArrivalConfig
-from services.bench.metrics import SLOs
-from services.bench.workload import LengthDist, WorkloadConfig
 from services.plan.configs import configurations
 from services.plan.costmodel import Profile, StepCost, Transport
 from services.plan.fleet import Fleet, FleetConfig, PoolSpec, SimRequest
 from services.plan.predict import close_calls, predict_all, rank, schedule, simulate
+from services.traffic.arrivals import ArrivalConfig
+from services.traffic.slo import SLOs
+from services.traffic.workload import LengthDist, WorkloadConfig
 
 TWO = StepCost(0.03, 0.0009, 0.0015, 0.0005, 0.01, 0.01)
 ONE = StepCost(0.045, 0.0018, 0.0025, 0.001, 0.02, 0.01)

@@ -13,7 +13,6 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client import Histogram as PromHistogram
 
-from services.bench.metrics import SLOs
 from services.cli import main
 from services.plan.costmodel import Profile
 from services.plan.live import (
@@ -28,6 +27,7 @@ from services.plan.live import (
     draw_lengths,
     read_histograms,
 )
+from services.traffic.slo import SLOs
 
 ROOT = Path(__file__).resolve().parents[2]
 GPU_PROFILE = ROOT / "services/plan/profiles/llama-3.1-8b-h100.json"

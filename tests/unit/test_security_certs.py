@@ -130,10 +130,10 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_a_stack_gets_its_own_ca_and_removes_it() -> None:
-    from services.api.server import ServerConfig
     from services.security.policy import internal_tls
     from services.security.stack import StackCertificates, has_internal_tls
     from services.security.tls import load
+    from services.server.settings import ServerConfig
 
     stack = StackCertificates()
     try:

@@ -6,8 +6,8 @@ import argparse
 
 import pytest
 
-from services.api.server import ServerConfig
 from services.engine.config import EngineConfig, cpu_only
+from services.server.settings import ServerConfig
 from services.settings import add_arguments, env_name, from_arguments
 
 
@@ -91,7 +91,7 @@ def test_up_bounds_cpu_engine_steps_unless_the_operator_chose(
         monkeypatch: pytest.MonkeyPatch) -> None:
     from services.cli import build_parser
     from services.engine.config import CPU_STEP_BOUNDS, with_step_bounds
-    from services.launcher.up import stack_from_args
+    from services.launcher.settings import stack_from_args
 
     def engine(*flags: str) -> EngineConfig:
         return stack_from_args(build_parser().parse_args(["up", *flags])).engine

@@ -6,10 +6,11 @@ import grpc
 import pytest
 
 from pdserve.v1 import generate_pb2 as pb
+from services import limits
 from services.api import validation as v
 from services.errors import InvalidRequest, ModelNotFound, PdserveError
 
-LIMITS = v.Limits(served_model="m", max_model_len=100, vocab_size=50)
+LIMITS = limits.Limits(served_model="m", max_model_len=100, vocab_size=50)
 
 
 def sampling(**kw: object) -> pb.SamplingParams:
@@ -62,18 +63,18 @@ def test_inputs() -> None:
 ])
 def test_sampling_rejections(fields: dict[str, object], needle: str) -> None:
     with pytest.raises(InvalidRequest) as e:
-        v.check_sampling(sampling(**fields), LIMITS)
+        limits.check_sampling(sampling(**fields), LIMITS)
     assert e.value.status == grpc.StatusCode.INVALID_ARGUMENT
     assert needle in e.value.message
 
 
 def test_sampling_accepts_boundaries() -> None:
-    kw = v.check_sampling(sampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0,
+    kw = limits.check_sampling(sampling(temperature=0.0, top_p=1.0, top_k=-1, min_p=0.0,
                                    stop=["a"] * 16, seed=3, logprobs=0), LIMITS).vllm_kwargs()
     assert kw["temperature"] == 0.0 and kw["top_k"] == 0 and kw["seed"] == 3
     assert kw["stop"] == ["a"] * 16 and kw["logprobs"] == 0
-    assert v.check_sampling(sampling(temperature=2.0), LIMITS).temperature == 2.0
-    assert v.check_sampling(sampling(), LIMITS).vllm_kwargs() == {}
+    assert limits.check_sampling(sampling(temperature=2.0), LIMITS).temperature == 2.0
+    assert limits.check_sampling(sampling(), LIMITS).vllm_kwargs() == {}
 
 
 def test_every_client_error_is_a_client_error() -> None:
@@ -81,12 +82,12 @@ def test_every_client_error_is_a_client_error() -> None:
     from services.errors import ClientError
 
     with pytest.raises(PdserveError) as e:
-        v.check_sampling(sampling(temperature=float("inf")), LIMITS)
+        limits.check_sampling(sampling(temperature=float("inf")), LIMITS)
     assert isinstance(e.value, ClientError)
 
 
 def resolved(s: pb.SamplingParams, prompt_len: int) -> int:
-    return v.resolve_max_tokens(v.check_sampling(s, LIMITS), prompt_len, LIMITS)
+    return limits.resolve_max_tokens(limits.check_sampling(s, LIMITS), prompt_len, LIMITS)
 
 
 def test_max_tokens_against_context() -> None:

@@ -234,6 +234,15 @@ password from its Secret, expanded by the kubelet) and the extra variables.
 {{- end -}}
 {{- include "pdserve.validateSecurity" . -}}
 {{- if .Values.kuberay.enabled -}}
+{{- range $role := list "router" "prefill" "decode" -}}
+{{- if get $.Values.config $role -}}
+{{- fail (printf "kuberay.enabled: config.%s is not used (one `pdserve up` configures every service): put these settings in config.launcher" $role) -}}
+{{- end -}}
+{{- end -}}
+{{- else if .Values.config.launcher -}}
+{{- fail "config.launcher is used with kuberay.enabled only: put these settings in config.router, config.prefill or config.decode" -}}
+{{- end -}}
+{{- if .Values.kuberay.enabled -}}
 {{- if .Values.router.server -}}
 {{- fail "kuberay.enabled: router.server is not used (one `pdserve up` configures every service): put these settings in the shared server block" -}}
 {{- end -}}
@@ -313,4 +322,38 @@ a checksum of its own role's data, so a change restarts only the pods it concern
   {{- include "pdserve.settingsData" (include "pdserve.roleSettings" (dict "root" $.root "role" $.role "block" $block) | fromYaml) }}
   {{- end }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The settings file of one role (`pdserve <role> --config`): values.config.<role>, sections
+and keys as pdserve's settings files take them (docs/configuration.md). The variables of
+the role's ConfigMap and env win over it. (dict "root" $ "role" "prefill")
+*/}}
+{{- define "pdserve.configFileDir" -}}/etc/pdserve/config{{- end -}}
+{{- define "pdserve.configFile" -}}{{ include "pdserve.configFileDir" . }}/pdserve.yaml{{- end -}}
+
+{{- define "pdserve.configFileData" -}}
+{{- $file := get .root.Values.config .role | default dict -}}
+{{- if $file }}
+{{- toYaml $file }}
+{{- else -}}
+{}
+{{- end }}
+{{- end -}}
+
+{{/* The ConfigMap checksum of a role: its variables and its settings file. */}}
+{{- define "pdserve.configChecksum" -}}
+{{- printf "%s\n%s" (include "pdserve.configData" .) (include "pdserve.configFileData" .) | sha256sum -}}
+{{- end -}}
+
+{{- define "pdserve.configFileVolume" -}}
+- name: pdserve-config
+  configMap:
+    name: {{ include "pdserve.fullname" .root }}-{{ .role }}-file
+{{- end -}}
+
+{{- define "pdserve.configFileMount" -}}
+- name: pdserve-config
+  mountPath: {{ include "pdserve.configFileDir" . }}
+  readOnly: true
 {{- end -}}

@@ -1,5 +1,6 @@
 """gRPC plumbing of the KV transports: the service's method names, channel and server
-options, and error text. Every KV channel and server is made through this module."""
+options, and error text. Every KV channel and server port is made through this module,
+with the credentials and message limits of `services/server/` (internal mTLS)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,10 @@ import grpc
 import torch
 
 from services.kv.transport.spec import TransportConfig
+from services.security.policy import INTERNAL_SETTINGS
+from services.security.tls import TLSFiles
+from services.server.channels import dial_blocking, message_limits
+from services.server.ports import add_internal_port
 
 SERVICE = "pdserve.v1.KVTransfer"
 PUSH = f"/{SERVICE}/Push"  # client stream of frames -> one ACK (gRPC transport)
@@ -17,11 +22,10 @@ SHM = f"/{SERVICE}/Shm"  # bidirectional control stream of a same-host transfer
 
 
 def channel_options(config: TransportConfig) -> list[tuple[str, Any]]:
-    """Client options: explicit message limits (the default receive limit is 4 MiB) and
-    keepalive pings so a peer that vanished without closing its socket is noticed."""
+    """Client options: explicit message limits and keepalive pings so a peer that
+    vanished without closing its socket is noticed."""
     return [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        *message_limits(config.max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.keepalive_permit_without_calls", 0),
@@ -31,8 +35,7 @@ def channel_options(config: TransportConfig) -> list[tuple[str, Any]]:
 
 def server_options(config: TransportConfig) -> list[tuple[str, Any]]:
     return [
-        ("grpc.max_send_message_length", config.max_message_bytes),
-        ("grpc.max_receive_message_length", config.max_message_bytes),
+        *message_limits(config.max_message_bytes),
         ("grpc.keepalive_time_ms", 20_000),
         ("grpc.keepalive_timeout_ms", 10_000),
         ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
@@ -41,26 +44,17 @@ def server_options(config: TransportConfig) -> list[tuple[str, Any]]:
     ]
 
 
-# Every internal certificate carries this DNS name (services/security/certs.py): peers are
-# reached by addresses that change, so the name, not the address, is what is checked.
-INTERNAL_NAME = "pdserve.internal"
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
+def tls_files(config: TransportConfig) -> TLSFiles | None:
+    """The internal mTLS files of `config` (None: plaintext)."""
+    if not config.tls:
+        return None
+    return TLSFiles.of(config.tls_ca_file, config.tls_cert_file, config.tls_key_file,
+                       INTERNAL_SETTINGS)
 
 
 def open_channel(peer: str, config: TransportConfig) -> grpc.Channel:
     """A blocking channel to a KV receiver: mutual TLS when the config has the files."""
-    if not config.tls:
-        return grpc.insecure_channel(peer, options=channel_options(config))
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=_read(config.tls_ca_file),
-        private_key=_read(config.tls_key_file),
-        certificate_chain=_read(config.tls_cert_file))
-    options = [*channel_options(config), ("grpc.ssl_target_name_override", INTERNAL_NAME)]
-    return grpc.secure_channel(peer, credentials, options=options)
+    return dial_blocking(peer, tls_files(config), channel_options(config))
 
 
 def bind(server: grpc.Server, host: str, port: int, config: TransportConfig) -> str:
@@ -69,13 +63,7 @@ def bind(server: grpc.Server, host: str, port: int, config: TransportConfig) -> 
     transport's rendezvous and a peer's HELLO travel only over such an authenticated
     stream, so an unauthenticated peer never learns the store address."""
     bracketed = f"[{host}]" if ":" in host and not host.startswith("[") else host
-    if config.tls:
-        credentials = grpc.ssl_server_credentials(
-            [(_read(config.tls_key_file), _read(config.tls_cert_file))],
-            root_certificates=_read(config.tls_ca_file), require_client_auth=True)
-        bound = server.add_secure_port(f"{bracketed}:{port}", credentials)
-    else:
-        bound = server.add_insecure_port(f"{bracketed}:{port}")
+    bound = add_internal_port(server, f"{bracketed}:{port}", tls_files(config))
     if not bound:
         raise OSError(f"cannot bind KV receiver to {bracketed}:{port}")
     return f"{bracketed}:{bound}"

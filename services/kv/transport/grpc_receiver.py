@@ -26,9 +26,7 @@ from services.kv.transport.heap import keep_frames_on_heap
 from services.kv.transport.shm_receiver import ShmInbound
 from services.kv.transport.shm_segments import SegmentPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransportConfig
-from services.kv.transport.staged import Staged, TransferFault
-from services.kv.transport.staging import StagingTable
-from services.kv.transport.stream_status import stream_failure
+from services.kv.transport.staging import Staged, StagingTable, TransferFault, stream_failure
 
 logger = logging.getLogger(__name__)
 

@@ -134,7 +134,7 @@ class GrpcKVSender(SenderCore[PushLink]):
     def _frames(self, out: Outgoing[PushLink], link: PushLink) -> Iterator[bytes]:
         """The request stream; runs on gRPC's consumer thread, one frame per write."""
         spec, chunk_bytes = out.spec, self.config.chunk_bytes
-        out.first_send_ts = out.last_progress = time.monotonic()
+        out.last_progress = time.monotonic()
         algorithm = self.config.checksum
         yield frames.encode_header(self.identity, spec, algorithm)
         chunks = 0

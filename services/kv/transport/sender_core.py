@@ -3,7 +3,7 @@ layer queue, and exactly-once outcomes.
 
 A transport subclasses `SenderCore` and implements four hooks (`_start`, `_enqueue`,
 `_abort`, `_close_transport`). The helpers its worker threads may call are public and
-documented here (`complete`, `fail`, `release_item`, `is_closed`); nothing outside this
+documented here (`complete`, `fail`, `forget`, `release_item`); nothing outside this
 class touches its lock or registry.
 """
 
@@ -69,7 +69,6 @@ class Outgoing(Generic[L]):
     sent: set[int] = field(default_factory=set)  # layers handed over by the engine
     done: bool = False  # outcome recorded; workers drop what is left
     error: str | None = None
-    first_send_ts: float = 0.0
     last_progress: float = field(default_factory=time.monotonic)
     phase: str = "starting"  # what it waits for, for stall messages
     corrupt: bool = False  # fault injection: damage the next payload after its checksum
@@ -112,7 +111,6 @@ class SenderCore(KVSender, Generic[L]):
     # -- helpers for the transport's threads -----------------------------------------------
     def complete(self, out: Outgoing[L], ok: bool, error: str | None, nbytes: int) -> bool:
         """Record the outcome of `out` once; returns False if it was already recorded."""
-        now = time.monotonic()
         with self._lock:
             if out.done:
                 return False
@@ -120,8 +118,7 @@ class SenderCore(KVSender, Generic[L]):
             if self._active.get(out.spec.transfer_id) is out:
                 del self._active[out.spec.transfer_id]
             tid = out.spec.transfer_id
-            outcome = TransferOutcome(tid, ok, out.error, nbytes, out.first_send_ts or now, now)
-            self._finished.append(outcome)
+            self._finished.append(TransferOutcome(tid, ok, out.error, nbytes))
             self._done_cond.notify_all()
         if not ok:
             logger.warning("KV transfer %s to %s failed: %s", tid, out.peer, error)
@@ -143,11 +140,6 @@ class SenderCore(KVSender, Generic[L]):
         """Give back the queue slot a layer item holds (whoever dequeues it calls this)."""
         if isinstance(item, LayerItem) and item.queue is not None:
             item.queue.release()
-
-    @property
-    def is_closed(self) -> bool:
-        with self._lock:
-            return self._closed
 
     # -- KVSender --------------------------------------------------------------------------
     def begin(self, peer_address: str, spec: TransferSpec) -> None:

@@ -21,6 +21,7 @@ so does an offer the device staging has no room for.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -30,9 +31,13 @@ import torch
 from services.kv.transport import checksum, cuda_ipc, frames
 from services.kv.transport.frames import ControlFrame, FrameError, FrameKind
 from services.kv.transport.shm_segments import SegmentPool
-from services.kv.transport.staged import NoStagingMemory, Staged, TransferFault
-from services.kv.transport.staging import StagingTable
-from services.kv.transport.stream_status import stream_failure
+from services.kv.transport.staging import (
+    NoStagingMemory,
+    Staged,
+    StagingTable,
+    TransferFault,
+    stream_failure,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -120,9 +125,12 @@ class ShmInbound:
 
     def _verify(self, st: Staged, layer: int, nbytes: int, value: int) -> None:
         buf = self.table.layer_buffer(st, layer, nbytes)
-        if _digest(st.checksum, buf) != value:
+        t0 = time.perf_counter()
+        intact = _digest(st.checksum, buf) == value
+        checksum_s = time.perf_counter() - t0
+        if not intact:
             raise TransferFault(f"checksum mismatch in layer {layer}", data_loss=True)
-        self.table.layer_received(st, layer)
+        self.table.layer_received(st, layer, checksum_s)
 
 
 def _digest(algorithm: str, buf: torch.Tensor) -> int:

@@ -186,7 +186,7 @@ class ShmKVSender(SenderCore[ShmLink]):
         """Open the stream and map the segment; _Fallback where shm cannot be used."""
         requests: Iterator[bytes] = iter(link.control.get, None)
         link.call = self._channel(out.peer).stream_stream(SHM)(requests)
-        out.first_send_ts = out.last_progress = time.monotonic()
+        out.last_progress = time.monotonic()
         out.phase = "waiting for a segment"
         offers = {"cuda_ipc": True} if self.config.ipc_device else {}
         link.control.put(

@@ -52,8 +52,6 @@ class TransferOutcome:
     ok: bool  # True only if the receiver acknowledged all bytes
     error: str | None  # why it failed (refusal reason, peer fault, cancel, ...)
     nbytes: int  # payload bytes the receiver acknowledged (0 unless ok)
-    first_send_ts: float  # time.monotonic() when the first frame was sent
-    last_ack_ts: float  # time.monotonic() when the outcome was known
 
 
 @dataclass(slots=True)
@@ -67,8 +65,9 @@ class ReceivedKV:
     last_byte_ts: float  # time.monotonic() when the last payload byte was verified
     first_byte_wall: float = 0.0  # the same two instants as time.time(), for cross-host logs
     last_byte_wall: float = 0.0
+    chunks: int = 0  # payload pieces received (gRPC data frames; whole layers otherwise)
+    checksum_s: float = 0.0  # time spent verifying their checksums
     sender_worker_id: str = ""
-    sender_epoch: int = 0
     storage: torch.Tensor | None = None  # the staging slab `layers` view; see release()
 
 

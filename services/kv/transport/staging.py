@@ -1,5 +1,9 @@
 """Receiver-side bookkeeping: the life of each inbound transfer, without any sockets.
 
+`Staged` is one inbound transfer, `Pool` where its memory comes from, `StagingTable` all
+of them; a stream's transfer is turned away as `Refused` (at the header) or
+`TransferFault` (mid-way), which `stream_failure` maps to the status the stream ends with.
+
 A transfer is RECEIVING from its accepted header until every byte of every layer has
 arrived in order and verified, then COMPLETE until taken (or until its lease runs out),
 or FAILED with a reason. Payload goes straight into per-layer views of one pooled slab
@@ -15,17 +19,90 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
 
+import grpc
 import torch
 
 from services.kv.fingerprint import PeerIdentity
 from services.kv.transport import checksum
-from services.kv.transport.frames import DataFrame, byte_view
+from services.kv.transport.frames import DataFrame, FrameError, byte_view
 from services.kv.transport.slab_pool import SlabPool
 from services.kv.transport.spec import ReceivedKV, ReceiveState, TransferSpec, TransportConfig
-from services.kv.transport.staged import NoStagingMemory, Pool, Refused, Staged, TransferFault
 
 logger = logging.getLogger(__name__)
+
+
+class Pool(Protocol):
+    """Where staging memory comes from: `SlabPool` (private) or `SegmentPool` (shared)."""
+
+    def get(self, nbytes: int) -> torch.Tensor: ...
+
+    def put(self, slab: torch.Tensor) -> None: ...
+
+    def retire(self, slab: torch.Tensor) -> None: ...
+
+
+class Refused(Exception):
+    """The header was not accepted (incompatible peer, duplicate id, no room)."""
+
+
+class NoStagingMemory(Refused):
+    """The header was fine but its staging memory could not be had (a full device)."""
+
+
+class TransferFault(Exception):
+    """The transfer broke a rule mid-way; it is FAILED and the stream should stop.
+
+    `data_loss` tells corrupt or missing bytes (checksum, truncation) from protocol
+    violations, so the server can answer DATA_LOSS or INVALID_ARGUMENT.
+    """
+
+    def __init__(self, reason: str, data_loss: bool = False) -> None:
+        super().__init__(reason)
+        self.data_loss = data_loss
+
+
+def stream_failure(e: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    """The status a receiving stream ends with when `e` ended it (one mapping for the
+    gRPC and the shared-memory paths); None for an error that is not a transfer's fault
+    (the receiver's own bug)."""
+    if isinstance(e, Refused):
+        return grpc.StatusCode.FAILED_PRECONDITION, f"refused: {e}"
+    if isinstance(e, TransferFault):
+        code = grpc.StatusCode.DATA_LOSS if e.data_loss else grpc.StatusCode.INVALID_ARGUMENT
+        return code, str(e)
+    if isinstance(e, FrameError):
+        return grpc.StatusCode.INVALID_ARGUMENT, f"malformed frame: {e}"
+    if isinstance(e, grpc.RpcError):
+        return grpc.StatusCode.CANCELLED, "stream dropped: sender gone or cancelled"
+    return None
+
+
+@dataclass(eq=False)
+class Staged:
+    """One inbound transfer. Only its owning stream writes `layers`."""
+
+    spec: TransferSpec
+    sender: PeerIdentity
+    layers: list[torch.Tensor]
+    views: list[memoryview | None]  # byte views of CPU layers, made on first write
+    first_ts: float
+    first_wall: float
+    last_progress: float
+    state: ReceiveState = ReceiveState.RECEIVING
+    error: str | None = None
+    filled: list[int] = field(default_factory=list)  # bytes received per layer
+    next_chunk: list[int] = field(default_factory=list)  # expected chunk index per layer
+    checksum_s: float = 0.0  # time spent verifying the checksums of what arrived
+    expires: float = 0.0  # COMPLETE / FAILED records are dropped after this
+    last_wall: float = 0.0
+    on_stall: Callable[[], None] | None = None  # stops the stream when the reaper fails it
+    slab: torch.Tensor | None = None  # pooled memory under `layers`
+    checksum: str = checksum.DEFAULT  # the algorithm the sender named in its header
+    pool: Pool | None = None  # where `slab` came from and goes back to
+    released: bool = False  # discarded by the receiver while it was still arriving
 
 
 class StagingTable:
@@ -168,7 +245,10 @@ class StagingTable:
                 f"chunk {frame.chunk} of layer {layer} has wrong size: {frame.nbytes} bytes at "
                 f"offset {frame.offset}, layer holds {spec.layer_nbytes}"
             )
-        if checksum.digest(st.checksum, frame.payload) != frame.checksum:
+        t0 = time.perf_counter()
+        intact = checksum.digest(st.checksum, frame.payload) == frame.checksum
+        st.checksum_s += time.perf_counter() - t0
+        if not intact:
             raise TransferFault(
                 f"checksum mismatch in chunk {frame.chunk} of layer {layer}", data_loss=True
             )
@@ -203,9 +283,11 @@ class StagingTable:
         st.last_progress = self._clock()
         return layers[layer]
 
-    def layer_received(self, st: Staged, layer: int) -> None:
-        """A whole layer arrived and verified (torch transport)."""
+    def layer_received(self, st: Staged, layer: int, checksum_s: float) -> None:
+        """A whole layer arrived and verified, its checksum taking `checksum_s` seconds
+        (torch and shared-memory transports)."""
         st.filled[layer] = st.spec.layer_nbytes
+        st.checksum_s += checksum_s
         st.last_progress = self._clock()
 
     def finish(self, st: Staged, num_chunks: int, nbytes: int) -> int:
@@ -277,8 +359,9 @@ class StagingTable:
             last_byte_ts=st.last_progress,
             first_byte_wall=st.first_wall,
             last_byte_wall=st.last_wall,
+            chunks=sum(st.next_chunk),
+            checksum_s=st.checksum_s,
             sender_worker_id=st.sender.worker_id,
-            sender_epoch=st.sender.epoch,
             storage=st.slab,
         )
 

@@ -1,0 +1,57 @@
+"""What the connector's two halves tell each other every step: `PdserveConnectorMetadata`
+from the scheduler half to the worker half (blocks to ship, blocks to fill), and
+`LoadReports` back (vLLM's connector worker metadata)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+from services.kv.params import LoadReport
+
+
+@dataclass(slots=True)
+class SaveJob:
+    """Ship these blocks of a finished prompt, layer by layer, during this step."""
+
+    req_id: str  # vLLM's internal id
+    transfer_id: str
+    kv_address: str
+    kv_transport: str
+    decode_epoch: int
+    decode_fingerprint: str
+    block_ids: list[int]
+    num_tokens: int
+    fault: str = ""
+    same_host: bool = False  # the receiver shares this host: shared memory may be used
+
+
+@dataclass(slots=True)
+class LoadJob:
+    """Fill these local blocks from a transfer once it is complete."""
+
+    req_id: str
+    transfer_id: str
+    local_block_ids: list[int]
+    remote_first_block: int  # the first shipped block that lands in local_block_ids[0]
+    fault: str = ""
+
+
+@dataclass(slots=True)
+class PdserveConnectorMetadata(KVConnectorMetadata):
+    saves: list[SaveJob] = field(default_factory=list)
+    loads: list[LoadJob] = field(default_factory=list)
+    cancelled_loads: list[str] = field(default_factory=list)  # req ids aborted while waiting
+
+
+@dataclass(slots=True)
+class LoadReports(KVConnectorWorkerMetadata):
+    reports: list[LoadReport] = field(default_factory=list)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, LoadReports)
+        return LoadReports(self.reports + other.reports)

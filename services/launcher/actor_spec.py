@@ -1,0 +1,141 @@
+"""How each actor of a `pdserve up` stack is made: its Ray options (placement, restart
+policy, environment) and what `ServiceActor` is constructed with, per role.
+
+Ports: only the first router keeps the configured ones; every other actor takes free
+ports (several actors of one node would collide on the configured ones, the health-only
+port included). On a local cluster every internal port and the KV receiver are on
+loopback; joining a cluster, workers advertise their node's address instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.engine.config import EngineConfig, split_cores
+from services.launcher.settings import LOOPBACK, LauncherConfig, Stack
+from services.registry.signing import SECRET_ENV
+from services.router.config import RouterConfig
+from services.security.stack import StackCertificates
+from services.server.settings import ServerConfig
+from services.worker.config import WorkerConfig
+
+ROLES = ("prefill", "decode")  # the worker roles; each stack also has routers
+NAMESPACE = "pdserve"
+
+
+@dataclass(frozen=True, slots=True)
+class RayOptions:
+    """How Ray places, restarts and configures one actor."""
+
+    name: str  # the actor's name in the namespace, e.g. decode-1
+    role: str  # prefill, decode or router: the custom resource it takes
+    secret: str = ""  # the cluster secret, put in the actor's environment ("" = none)
+    accelerator: str = ""  # a Ray accelerator type: one GPU of it; "" = a CPU actor
+
+    @classmethod
+    def of(cls, launcher: LauncherConfig, role: str, name: str, secret: str) -> RayOptions:
+        accelerator = {"prefill": launcher.prefill_accelerator,
+                       "decode": launcher.decode_accelerator}.get(role, "")
+        return cls(name, role, secret, accelerator)
+
+    def kwargs(self) -> dict[str, Any]:
+        """The options as `ActorClass.options(**kwargs)` takes them."""
+        options: dict[str, Any] = {
+            "name": self.name, "namespace": NAMESPACE, "max_restarts": -1,
+            "max_task_retries": 0, "max_concurrency": 64,
+            "resources": {f"pdserve_{self.role}": 1},
+        }
+        if self.secret:
+            # Registries in the actors read it (services/registry/signing.py).
+            options["runtime_env"] = {"env_vars": {SECRET_ENV: self.secret}}
+        if self.accelerator:
+            options.update(num_gpus=1, accelerator_type=self.accelerator)
+        else:
+            # CPU: vLLM pins its worker to the role's cores; Ray's CPU accounting would only
+            # keep three engines off a two-core machine.
+            options["num_cpus"] = 0
+        return options
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerArgs:
+    """What a prefill or decode worker actor is constructed with."""
+
+    role: str  # prefill or decode
+    server: ServerConfig
+    engine: EngineConfig
+    worker: WorkerConfig
+    # Joining a cluster: the worker may land on another node, so it advertises that
+    # node's address, which only the actor knows.
+    advertise_node_ip: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RouterArgs:
+    """What a router actor is constructed with."""
+
+    server: ServerConfig
+    router: RouterConfig
+
+    @property
+    def role(self) -> str:
+        return "router"
+
+
+@dataclass(frozen=True, slots=True)
+class ActorSpec:
+    """One actor as the supervisor starts it."""
+
+    options: RayOptions
+    args: WorkerArgs | RouterArgs
+
+
+class ActorSpecs:
+    """The specs of one stack's actors, from its settings, its Redis, its cluster secret
+    and its own CA (when it made one)."""
+
+    def __init__(self, stack: Stack, redis_url: str, secret: str,
+                 tls: StackCertificates | None = None) -> None:
+        self.stack, self.redis_url, self.secret, self.tls = stack, redis_url, secret, tls
+
+    @property
+    def local_cluster(self) -> bool:
+        return not self.stack.launcher.ray_address
+
+    def spec(self, role: str, index: int) -> ActorSpec:
+        """The actor `index` of `role` (prefill, decode or router)."""
+        options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}", self.secret)
+        if role == "router":
+            return ActorSpec(options, self.router(index))
+        return ActorSpec(options, self.worker(role, index))
+
+    def _server(self, role: str, first: bool) -> ServerConfig:
+        s = self.stack
+        if first:
+            server = s.server.model_copy()
+        else:
+            server = s.server.model_copy(update={"port": 0, "metrics_port": -1, "http_port": 0,
+                                                 "health_port": 0})
+            if self.local_cluster:
+                # Internal ports of a local stack are for this machine only.
+                server = server.model_copy(update={"host": LOOPBACK})
+        if self.tls is not None:
+            server = server.model_copy(update=self.tls.settings(role))
+        return server
+
+    def router(self, index: int) -> RouterArgs:
+        router = self.stack.router.model_copy(update={"redis_url": self.redis_url})
+        return RouterArgs(self._server("router", first=index == 0), router)
+
+    def worker(self, role: str, index: int) -> WorkerArgs:
+        lc = self.stack.launcher
+        cores = dict(zip(ROLES, split_cores(lc.prefill_cores, lc.decode_cores),
+                         strict=True))[role]
+        engine = self.stack.engine.model_copy(update={"cpu_cores": cores})
+        update: dict[str, Any] = {"redis_url": self.redis_url, "worker_id": f"{role}-{index}"}
+        if self.local_cluster:
+            update["kv_host"] = LOOPBACK
+        worker = self.stack.worker.model_copy(update=update)
+        return WorkerArgs(role, self._server(role, first=False), engine, worker,
+                          advertise_node_ip=not self.local_cluster)

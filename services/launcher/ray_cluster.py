@@ -1,0 +1,28 @@
+"""Ray for `pdserve up`: join the given cluster, or start a local one.
+
+A local cluster uses a loopback node address, no dashboard (its jobs API runs code) and
+Ray's token authentication (on by default in this Ray). Ray still binds its GCS, raylet,
+object manager and every worker's core-worker port on all interfaces (they take no bind
+address); those are Ray's, token-authenticated.
+"""
+
+from __future__ import annotations
+
+from services.launcher.actor_spec import NAMESPACE, ROLES
+from services.launcher.settings import LOOPBACK, LauncherConfig
+
+# Per-role custom resources of a local cluster: every role fits on this machine. A real
+# cluster gives them to the node types that should host each role (deploy/ray-cluster.yaml).
+LOCAL_RESOURCES = {f"pdserve_{role}": 64 for role in (*ROLES, "router")}
+
+
+def start_ray(launcher: LauncherConfig) -> None:
+    """Connect this process to Ray: `--ray-address`, else a new local cluster."""
+    import ray
+
+    if launcher.ray_address:
+        ray.init(address=launcher.ray_address, namespace=NAMESPACE)
+        return
+    ray.init(namespace=NAMESPACE, include_dashboard=False, log_to_driver=True,
+             object_store_memory=256 << 20, _node_ip_address=LOOPBACK,
+             resources=LOCAL_RESOURCES)
