@@ -14,7 +14,7 @@ _UNSET: dict[str, Any] = {"stop": (), "stop_token_ids": (), "ignore_eos": False,
 
 @dataclass(frozen=True, slots=True)
 class Sampling:
-    """Validated sampling settings (`validation.check_sampling` builds them). `None`
+    """Validated sampling settings (`limits.check_sampling` builds them). `None`
     means "vLLM's default"."""
 
     temperature: float | None = None  # 0 = greedy

@@ -64,7 +64,7 @@ class LauncherConfig(BaseSettings):
     planner_profile: str = Field(
         "", description="GPU stacks: a `pdserve plan profile` JSON; set, the live planner "
         "moves workers between the prefill and decode pools (their total stays) to the split "
-        "it predicts serves the observed traffic best (README, \"The live planner\")")
+        "it predicts serves the observed traffic best (docs/planning.md, \"The live planner\")")
     planner_slo: str = Field("ttft=0.5,itl=0.05", description="the live planner's SLOs, "
                              "NAME=SECONDS,... (ttft, tpot, itl, e2e): goodput is requests/s "
                              "within all of them")

@@ -191,7 +191,9 @@ async def _stream_decode(call: grpc.aio.UnaryStreamCall, decode: Peer,
                 if prefill_timings is not None:  # the queue and prefill were the other's
                     delta.timings.queue_s = prefill_timings.queue_s
                     delta.timings.prefill_s = prefill_timings.prefill_s
-                    delta.num_cached_tokens = cached_tokens or delta.num_cached_tokens
+                    # Prefix-cache hits are the prefill engine's: the decode engine
+                    # counts the KV it received as cached, which it was not.
+                    delta.num_cached_tokens = cached_tokens
                 yield delta
                 return
             streamed += len(delta.token_ids)

@@ -68,6 +68,8 @@ async def test_decode_engine_used_the_shipped_kv(disagg_grpc: DisaggStack, token
                                        ignore_eos=True)
     t = result.timings
     assert t["kv_transfer_bytes"] > 0 and t["kv_transfer_s"] > 0
+    # a fresh prompt: no prefix-cache hit anywhere, whatever the decode engine received
+    assert result.cached_tokens == 0
     assert 0 <= t["kv_transfer_hidden_s"] <= t["kv_transfer_s"]
     deadline = time.monotonic() + 10
     while True:  # vLLM publishes its counters with each engine step's stats
@@ -81,6 +83,11 @@ async def test_decode_engine_used_the_shipped_kv(disagg_grpc: DisaggStack, token
         await asyncio.sleep(0.2)
     # the whole prompt came through the connector, counted as a peer-to-peer cache hit
     assert (shipped, p2p) == (300, 300)
+    # the same prompt again: the prefill engine's prefix cache holds its full blocks
+    async with PdserveClient(disagg_grpc.server.target) as client:
+        again = await client.generate(token_ids=ids, temperature=0.0, max_tokens=8,
+                                      ignore_eos=True)
+    assert 0 < again.cached_tokens < 300
 
 
 async def test_short_prompts_prefill_on_the_decode_worker_when_asked(
