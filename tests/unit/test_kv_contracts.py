@@ -6,7 +6,6 @@ and each refuses a key it does not know, naming it."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.kv.params import LOAD_KEY, LoadReport, RecvParams, SendParams
 from services.kv.settings import TRANSPORT_DEFAULTS, KVSettings
 from services.messages import Timings
-from services.observability import tracing
 from services.observability.request_spans import (
     DecodeTally,
     KVLoad,
@@ -136,14 +134,6 @@ def test_the_load_report_refuses_unknown_keys() -> None:
         LoadReport.of_output({LOAD_KEY: entry})
     with pytest.raises(ValueError, match="not a mapping"):
         LoadReport.of_output({LOAD_KEY: [1, 2]})
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    tracing.setup_tracing("pdserve-test", None, 1.0, exporter=memory)
-    yield memory
-    tracing.shutdown_tracing()
 
 
 def test_the_decode_span_reads_the_typed_report(spans: InMemorySpanExporter) -> None:

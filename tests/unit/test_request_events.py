@@ -5,7 +5,7 @@ clock and a FAKE view. No sockets, no Redis."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -15,7 +15,6 @@ from prometheus_client import REGISTRY
 
 from services.errors import FailedCall, Overloaded, WorkerFailure
 from services.messages import Delta, GenerationRequest, Sampling
-from services.observability import tracing
 from services.observability.request_spans import NULL_ROUTER
 from services.registry.records import WorkerRecord
 from services.router.events import (
@@ -170,14 +169,6 @@ def test_router_metrics_keep_their_names_and_labels() -> None:
     after = [sample(n, **labels) for n, labels in names]
     assert [b - a for a, b in zip(before, after, strict=True)] == [1] * len(names)
     assert sample("pdserve_router_inflight") == 3
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    tracing.setup_tracing("pdserve-test", None, 1.0, exporter=memory)
-    yield memory
-    tracing.shutdown_tracing()
 
 
 def test_the_span_hears_the_request_with_its_usage_and_anatomy(

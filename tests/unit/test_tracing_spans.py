@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -11,7 +10,6 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import StatusCode
 
 from services.errors import Overloaded
-from services.observability import tracing
 from services.observability.request_spans import (
     NULL_ROUTER,
     TransferFacts,
@@ -20,14 +18,6 @@ from services.observability.request_spans import (
     record_kv_transfer,
     router_span,
 )
-
-
-@pytest.fixture
-def spans() -> Iterator[InMemorySpanExporter]:
-    memory = InMemorySpanExporter()
-    tracing.setup_tracing("pdserve-test", None, 1.0, exporter=memory)
-    yield memory
-    tracing.shutdown_tracing()
 
 
 def one(memory: InMemorySpanExporter, name: str) -> ReadableSpan:
