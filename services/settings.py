@@ -8,7 +8,7 @@ Every field is settable four ways, in this order of precedence: a CLI flag
 docs cannot drift apart (the Helm chart and the configuration reference are checked
 against these models by tests; `services/config_doc.py` writes the reference from them).
 
-A field marked `json_schema_extra={"advanced": True}` is an expert knob (timeouts,
+A field marked `json_schema_extra=ADVANCED` is an expert knob (timeouts,
 staging sizes, keepalives, ...): `--help` lists it apart, under "advanced".
 """
 
@@ -33,6 +33,8 @@ S = TypeVar("S", bound=BaseSettings)
 CONFIG_DEST = "config_file"
 EXPOSED_DEST = "settings_exposed"
 ADVANCED_TITLE = "advanced"
+# The marker of an expert knob on a settings field (read, never modified).
+ADVANCED: dict[str, Any] = {"advanced": True}
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,6 +10,8 @@ from typing import Literal
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.settings import ADVANCED
+
 log = logging.getLogger(__name__)
 
 
@@ -98,7 +100,7 @@ class EngineConfig(BaseSettings):
     )
     max_model_len: int = Field(2048, ge=16, description="context length (prompt + output)")
     block_size: int = Field(0, ge=0, description="KV block size in tokens; 0 = vLLM's default",
-                            json_schema_extra={"advanced": True})
+                            json_schema_extra=ADVANCED)
     # vLLM reads VLLM_CPU_KVCACHE_SPACE as a whole number and fails to start on "0.5".
     kv_cache_gib: int = Field(
         1, ge=1, description="CPU: KV cache size in whole GiB (VLLM_CPU_KVCACHE_SPACE)"
@@ -115,10 +117,10 @@ class EngineConfig(BaseSettings):
     max_queued_requests: int = Field(
         256, ge=0, description="requests waiting for their first token in this engine; "
         "beyond, RESOURCE_EXHAUSTED with a retry hint (0 = no bound)",
-        json_schema_extra={"advanced": True})
+        json_schema_extra=ADVANCED)
     max_queued_prompt_tokens: int = Field(
         131072, ge=0, description="prompt tokens waiting for their first token in this "
-        "engine; beyond, RESOURCE_EXHAUSTED (0 = no bound)", json_schema_extra={"advanced": True})
+        "engine; beyond, RESOURCE_EXHAUSTED (0 = no bound)", json_schema_extra=ADVANCED)
     max_num_batched_tokens: int = Field(
         0, ge=0, description="token budget per step (chunked prefill size); 0 = vLLM's "
         "default (`pdserve up` on a CPU host: 512 unless set)")
@@ -126,7 +128,7 @@ class EngineConfig(BaseSettings):
         0, ge=0, description="most tokens of one prompt per step: longer prompts prefill in "
         "chunks this size, so a request that arrives behind a long prompt waits one chunk, "
         "not the whole prefill (vLLM's --long-prefill-token-threshold; 0 = no limit; "
-        "`pdserve up` on a CPU host: 256 unless set)", json_schema_extra={"advanced": True})
+        "`pdserve up` on a CPU host: 256 unless set)", json_schema_extra=ADVANCED)
     enable_prefix_caching: bool = Field(True, description="reuse KV of shared prompt prefixes")
     enforce_eager: bool = Field(
         True, description="skip torch.compile and graph capture (faster start-up)"
@@ -135,19 +137,19 @@ class EngineConfig(BaseSettings):
     engine_nice: int = Field(
         10, ge=0, le=19, description="CPU: niceness the engine's processes get above this "
         "process's, so RPCs, health checks and the router preempt model compute on shared "
-        "cores (0 = same priority)", json_schema_extra={"advanced": True})
+        "cores (0 = same priority)", json_schema_extra=ADVANCED)
     # Why: engine.py's `pin`.
     pin_scheduler: bool = Field(
         True, description="CPU: also keep vLLM's engine-core (scheduler) process on "
         "cpu_cores, which vLLM leaves wherever the OS puts it; on a host shared by a "
         "prefill and a decode engine this keeps each scheduler off the other engine's "
         "cores, so handoffs stall running streams less; an engine on all cores is "
-        "unaffected", json_schema_extra={"advanced": True})
+        "unaffected", json_schema_extra=ADVANCED)
     allocator: Literal["auto", "tcmalloc", "system"] = Field(
         "auto",
         description="CPU: memory allocator of the engine's processes (LD_PRELOAD); auto = "
         "tcmalloc when installed (libtcmalloc-minimal4), else glibc malloc with a warning",
-        json_schema_extra={"advanced": True},
+        json_schema_extra=ADVANCED,
     )
     # A prefill engine meets a new step size (token count) with almost every step, and
     # oneDNN keeps a GEMM primitive per size and shape in a process-wide cache (1024 by
@@ -158,7 +160,7 @@ class EngineConfig(BaseSettings):
         0, ge=0, description="CPU: GEMM primitives oneDNN keeps across layers "
         "(ONEDNN_PRIMITIVE_CACHE_CAPACITY; vLLM's per-layer cache of 32 is kept either "
         "way); each new step size adds to it, so above 0 a prefill engine's memory grows "
-        "with the sizes it has seen, up to the cap", json_schema_extra={"advanced": True})
+        "with the sizes it has seen, up to the cap", json_schema_extra=ADVANCED)
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

@@ -33,7 +33,7 @@ from services.security.policy import internal_tls
 from services.security.tls import TLSFiles
 from services.server.channels import dial, free_port
 from services.server.settings import ServerConfig
-from services.settings import add_arguments, env_name, from_arguments
+from services.settings import ADVANCED, add_arguments, env_name, from_arguments
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger(__name__)
@@ -57,10 +57,10 @@ class LocalPairConfig(BaseSettings):
                              "worker (0 = a free port)")
     prefill_metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the "
                                       "local prefill worker (0 = off)",
-                                      json_schema_extra={"advanced": True})
+                                      json_schema_extra=ADVANCED)
     decode_metrics_port: int = Field(0, ge=0, le=65535, description="Prometheus port of the "
                                      "local decode worker (0 = off)",
-                                     json_schema_extra={"advanced": True})
+                                     json_schema_extra=ADVANCED)
 
 
 def add_disagg_arguments(parser: argparse.ArgumentParser) -> None:

@@ -14,7 +14,7 @@ from services.engine.config import EngineConfig, cpu_only, with_step_bounds
 from services.registry.config import ClusterStateConfig
 from services.router.config import RouterConfig
 from services.server.settings import ServerConfig
-from services.settings import from_arguments
+from services.settings import ADVANCED, from_arguments
 from services.worker.config import WorkerConfig
 
 # Where a local stack's own ports listen (Ray's node address included).
@@ -42,25 +42,25 @@ class LauncherConfig(BaseSettings):
                                     "workers (bandwidth-class, e.g. H200)")
     actor_probe_interval_s: float = Field(2.0, gt=0, description="seconds between health "
                                           "probes of each actor by the supervisor",
-                                          json_schema_extra={"advanced": True})
+                                          json_schema_extra=ADVANCED)
     actor_probe_timeout_s: float = Field(5.0, gt=0, description="an actor's probe unanswered "
                                          "this long is a miss",
-                                         json_schema_extra={"advanced": True})
+                                         json_schema_extra=ADVANCED)
     actor_probe_failures: int = Field(2, ge=1, description="misses in a row before a hung "
                                       "actor is killed and restarted",
-                                      json_schema_extra={"advanced": True})
+                                      json_schema_extra=ADVANCED)
     actor_start_timeout_s: float = Field(900.0, gt=0, description="an actor not ready this "
                                          "long after a (re)start is restarted",
-                                         json_schema_extra={"advanced": True})
+                                         json_schema_extra=ADVANCED)
     stack_tls: bool = Field(True, description="make a CA for this stack at start, so its "
                             "internal channels are mutual TLS (local cluster; ignored when "
                             "--internal-tls-*-file are given)")
     supervisor_metrics_port: int = Field(
         0, ge=0, le=65535, description="Prometheus port of the supervisor's own counters "
-        "(restarts), on loopback (0 = off)", json_schema_extra={"advanced": True})
+        "(restarts), on loopback (0 = off)", json_schema_extra=ADVANCED)
     state_file: str = Field("", description="where `scale` and `down` find a local stack's "
                             "Redis URL and secret (mode 0600); default up.json beside the "
-                            "models cache", json_schema_extra={"advanced": True})
+                            "models cache", json_schema_extra=ADVANCED)
     planner_profile: str = Field(
         "", description="GPU stacks: a `pdserve plan profile` JSON; set, the live planner "
         "moves workers between the prefill and decode pools (their total stays) to the split "
@@ -70,20 +70,20 @@ class LauncherConfig(BaseSettings):
                              "within all of them")
     planner_interval_s: float = Field(60.0, gt=0, description="seconds of traffic the live "
                                       "planner observes per decision",
-                                      json_schema_extra={"advanced": True})
+                                      json_schema_extra=ADVANCED)
     planner_cooldown_s: float = Field(300.0, ge=0, description="at least this long between "
                                       "two changes of the split",
-                                      json_schema_extra={"advanced": True})
+                                      json_schema_extra=ADVANCED)
     planner_min_prefill: int = Field(1, ge=0, description="the live planner's floor for the "
                                      "prefill pool (0 lets it choose colocated serving)",
-                                     json_schema_extra={"advanced": True})
+                                     json_schema_extra=ADVANCED)
     planner_min_decode: int = Field(1, ge=1, description="the live planner's floor for the "
-                                    "decode pool", json_schema_extra={"advanced": True})
+                                    "decode pool", json_schema_extra=ADVANCED)
     planner_margin: float = Field(0.2, ge=0, description="change the split only when the "
                                   "best one's predicted goodput beats the current one's by "
                                   "more than this share (the planner's error against real "
                                   "runs; smaller gains are noise)",
-                                  json_schema_extra={"advanced": True})
+                                  json_schema_extra=ADVANCED)
 
 
 @dataclass

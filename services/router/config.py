@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.settings import ADVANCED
+
 
 class RouterConfig(BaseSettings):
     """How the router finds workers, routes and admits. Env prefix PDSERVE_."""
@@ -26,18 +28,18 @@ class RouterConfig(BaseSettings):
     prefill_max_queued_tokens: int = Field(
         131072, ge=0, description="router: the prefill pool's bound: while the chosen "
         "prefill worker has this many prompt tokens queued, new requests get "
-        "RESOURCE_EXHAUSTED (0 = no bound)", json_schema_extra={"advanced": True})
+        "RESOURCE_EXHAUSTED (0 = no bound)", json_schema_extra=ADVANCED)
     max_inflight: int = Field(256, ge=1, description="router: requests in flight before new "
                               "ones get RESOURCE_EXHAUSTED")
     client_max_inflight: int = Field(
         0, ge=0, description="router: requests in flight per client (x-client-id metadata), "
         "counted across routers in Redis (0 = no limit)")
     retry_after_ms: int = Field(500, ge=1, description="router: retry hint sent with "
-                                "RESOURCE_EXHAUSTED", json_schema_extra={"advanced": True})
+                                "RESOURCE_EXHAUSTED", json_schema_extra=ADVANCED)
     migration_limit: int = Field(
         3, ge=0, description="router: times a request may move to another worker when the "
         "one serving it fails (before or after its first token); 0 = fail the request",
-        json_schema_extra={"advanced": True})
+        json_schema_extra=ADVANCED)
     # A hang costs silence + probe before the stream moves. Silence only triggers a
     # probe, so it can be short; the probe's timeout must cover a live worker whose
     # process is starved by its engine on a busy core: at 0.5 s one such worker was
@@ -45,15 +47,15 @@ class RouterConfig(BaseSettings):
     stream_silence_s: float = Field(
         0.5, gt=0, description="router: a worker silent this long in a request is probed "
         "for liveness; one that does not answer is treated as failed (a hang)",
-        json_schema_extra={"advanced": True})
+        json_schema_extra=ADVANCED)
     probe_timeout_s: float = Field(1.0, gt=0, description="router: longest wait for a "
-                                   "liveness probe's answer", json_schema_extra={"advanced": True})
+                                   "liveness probe's answer", json_schema_extra=ADVANCED)
     refresh_s: float = Field(0.5, gt=0, description="router: how often the worker view is "
-                             "re-read from Redis", json_schema_extra={"advanced": True})
+                             "re-read from Redis", json_schema_extra=ADVANCED)
     prefix_block_size: int = Field(128, ge=1, description="router: block size of prefix "
                                    "hashing (best: the engines' KV block size)",
-                                   json_schema_extra={"advanced": True})
+                                   json_schema_extra=ADVANCED)
     client_lease_s: float = Field(
         15.0, gt=0, description="router: TTL of a per-client slot in Redis, renewed every "
         "third of it while its request runs; a crashed router's slots come back after it",
-        json_schema_extra={"advanced": True})
+        json_schema_extra=ADVANCED)

@@ -12,6 +12,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.server.channels import MAX_MESSAGE_BYTES
+from services.settings import ADVANCED
 
 
 class ServerSettings(BaseSettings):
@@ -29,10 +30,10 @@ class ServerSettings(BaseSettings):
     )
     max_message_bytes: int = Field(
         MAX_MESSAGE_BYTES, ge=4 << 20, description="largest gRPC message accepted or sent",
-        json_schema_extra={"advanced": True},
+        json_schema_extra=ADVANCED,
     )
     grace_s: float = Field(10.0, ge=0, description="seconds running streams get on shutdown",
-                           json_schema_extra={"advanced": True})
+                           json_schema_extra=ADVANCED)
     otlp_traces_endpoint: str = Field(
         "", description="OpenTelemetry traces over OTLP/gRPC to this collector (empty: "
         "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT, else off); host:port is plaintext on loopback, "
@@ -40,9 +41,9 @@ class ServerSettings(BaseSettings):
     otlp_sampling_ratio: float | None = Field(
         None, ge=0.0, le=1.0, description="share of new traces sampled, 0..1 (a client's "
         "sampled traceparent is always followed); unset: OTEL_TRACES_SAMPLER, else 1",
-        json_schema_extra={"advanced": True})
+        json_schema_extra=ADVANCED)
     metrics_host: str = Field("", description="address the Prometheus port binds to (empty: "
-                              "the same as host)", json_schema_extra={"advanced": True})
+                              "the same as host)", json_schema_extra=ADVANCED)
     health_port: int = Field(
         0, ge=0, le=65535, description="a plaintext port serving grpc.health.v1 only, for "
         "probes that speak neither TLS nor API keys (0 = off)")
@@ -82,7 +83,7 @@ class InternalSettings(BaseSettings):
     internal_tls_key_file: str = Field("", description="internal mTLS: its private key")
     internal_reflection: bool = Field(
         False, description="worker ports: serve gRPC reflection too (off: it lists the "
-        "internal API to whoever connects)", json_schema_extra={"advanced": True})
+        "internal API to whoever connects)", json_schema_extra=ADVANCED)
 
 
 # Fields are ordered base by base from the last base to the first: the server's, then

@@ -8,6 +8,8 @@ from typing import Literal
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.settings import ADVANCED
+
 Role = Literal["prefill", "decode"]
 
 
@@ -31,11 +33,11 @@ class WorkerConfig(BaseSettings):
     kv_lease_s: float = Field(
         30.0, gt=0, description="prefill: longest hold of a prompt's KV blocks before the "
         "decode side acknowledged them; decode: how long unclaimed transfers are kept",
-        json_schema_extra={"advanced": True},
+        json_schema_extra=ADVANCED,
     )
     kv_load_timeout_s: float = Field(
         30.0, gt=0, description="decode: longest wait for a complete KV transfer",
-        json_schema_extra={"advanced": True},
+        json_schema_extra=ADVANCED,
     )
     kv_load_failure_policy: Literal["recompute", "fail"] = Field(
         "recompute", description="decode: on a corrupt, late or missing transfer, recompute "
@@ -46,31 +48,31 @@ class WorkerConfig(BaseSettings):
     advertise_host: str = Field("", description="host the router uses to reach this worker's "
                                 "gRPC API; empty = 127.0.0.1 for loopback/any binds, else host")
     heartbeat_s: float = Field(1.0, gt=0, description="seconds between registry heartbeats",
-                               json_schema_extra={"advanced": True})
+                               json_schema_extra=ADVANCED)
     worker_ttl_s: float = Field(3.0, gt=0, description="a worker silent this long drops out "
-                                "of routing", json_schema_extra={"advanced": True})
+                                "of routing", json_schema_extra=ADVANCED)
     kv_checksum: Literal["crc32c", "xxh3", "crc32"] = Field(
         "crc32c", description="KV transfers: checksum of every chunk (crc32c and xxh3 run "
         "in native code; crc32 is several times slower; the receiver verifies what the "
-        "sender used)", json_schema_extra={"advanced": True})
+        "sender used)", json_schema_extra=ADVANCED)
     kv_shm: bool = Field(True, description="KV transfers between workers on one host go "
                          "through shared memory (off: always the network transport)",
-                         json_schema_extra={"advanced": True})
+                         json_schema_extra=ADVANCED)
     kv_cuda_ipc: bool = Field(True, description="with kv_shm, workers on one host that both "
                               "run on GPUs move KV device to device over CUDA IPC (off: "
-                              "through host shared memory)", json_schema_extra={"advanced": True})
+                              "through host shared memory)", json_schema_extra=ADVANCED)
     kv_staging_gib: float = Field(
         0.0, ge=0, description="decode: most KV bytes staged for requests not yet "
         "admitted; beyond, new transfers are refused (0 = the size of the CPU KV cache; "
-        "8 GiB on GPUs)", json_schema_extra={"advanced": True})
+        "8 GiB on GPUs)", json_schema_extra=ADVANCED)
     kv_header_timeout_s: float = Field(
         10.0, gt=0, description="decode: a KV stream that sends no header this long is "
-        "dropped", json_schema_extra={"advanced": True})
+        "dropped", json_schema_extra=ADVANCED)
     kv_max_streams: int = Field(32, ge=1, description="decode: KV streams received at once; "
                                 "more are refused at once (RESOURCE_EXHAUSTED)",
-                                json_schema_extra={"advanced": True})
+                                json_schema_extra=ADVANCED)
     allow_fault_injection: bool = Field(
         False, description="accept the `fault` field of internal requests (tests and "
         "failure drills only)",
-        json_schema_extra={"advanced": True},
+        json_schema_extra=ADVANCED,
     )
