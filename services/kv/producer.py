@@ -144,7 +144,7 @@ class Producer:
         if sending is None:
             sending = self._begin(job, kv_layer)
         ids = self._block_ids[job.transfer_id]
-        # A private copy of this layer's blocks (cheap: ~1% of the layer's compute);
+        # A private copy of this layer's blocks (cheap beside the layer's compute);
         # the sender's threads ship it while later layers compute.
         if sending.copies:
             blocks = torch.index_select(kv_layer, 0, ids, out=sending.copies[idx])
