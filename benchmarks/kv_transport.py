@@ -12,6 +12,10 @@ picks what the transports' senders compute. Both processes run with tcmalloc in 
 where it is installed, as pdserve's CPU engines (and so their KV receivers) do;
 `--allocator system` measures glibc's malloc.
 
+"nixl" WRITEs each layer with NIXL (UCX) into memory the receiver registered once; on
+one host UCX picks cross-process memory access where ptrace rules allow it, TCP
+otherwise (`UCX_TLS` in the environment chooses).
+
 `--device cuda` (a GPU host) puts the layers in GPU memory and gives both ends the GPU
 as `ipc_device`, so "shm" runs device to device over CUDA IPC; the reference is then a
 device-to-device copy on that GPU, and the GPU digest (sum64) joins the checksum table.
@@ -72,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument(
         "--transports",
-        default="grpc,torch,shm",
-        help="comma-separated transports to measure (default: grpc,torch,shm)",
+        default="grpc,torch,shm,nixl",
+        help="comma-separated transports to measure (default: grpc,torch,shm,nixl; nixl "
+        "needs the nixl package)",
     )
     p.add_argument("--layers", type=int, default=30, help="layers per transfer (default 30)")
     p.add_argument(

@@ -67,7 +67,7 @@ class SendParams(_Entry):
 
     transfer_id: str
     kv_address: str  # the decode worker's KV receiver, "host:port"
-    kv_transport: str  # its network transport ("grpc" or "torch")
+    kv_transport: str  # its network transport ("grpc", "torch" or "nixl")
     decode_epoch: int  # its epoch; a receiver that restarted since refuses the transfer
     decode_fingerprint: str  # the KV layout digest it must have
     fault: str = ""  # fault injection (FAULTS)

@@ -1,7 +1,7 @@
 """The KV transports under internal mTLS, with real receivers on loopback and a real CA
 made by `pdserve certs init`: the right certificate is served (bit-exact), a sender with
 no certificate or one from another CA never gets a transfer in, nor (torch) the
-rendezvous that would let it join a pair group."""
+rendezvous that would let it join a pair group, nor (nixl) a region to write into."""
 
 from __future__ import annotations
 
@@ -42,7 +42,7 @@ def cas(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     return ours, theirs
 
 
-@pytest.fixture(scope="module", params=["grpc", "torch"])
+@pytest.fixture(scope="module", params=["grpc", "torch", "nixl"])
 def secured(request: pytest.FixtureRequest, cas: tuple[Path, Path]) -> Iterator[tuple[str, Any]]:
     rx = make_receiver(request.param, RX_ID, tls_config(cas[0], "decode"), "127.0.0.1", 0)
     yield request.param, rx

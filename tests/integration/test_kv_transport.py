@@ -54,7 +54,7 @@ SHAPE = (2, 3, 16, 128)  # (blocks, kv heads, block size, 2 * head size)
 LAYERS = 4
 LAYER_BYTES = 2 * 3 * 16 * 128 * 4
 CFG = TransportConfig(chunk_bytes=16 << 10, stall_timeout_s=1.0, lease_s=5.0)
-KINDS = ["grpc", "torch", "shm"]
+KINDS = ["grpc", "torch", "shm", "nixl"]
 
 
 def new_sender(kind: str, identity: PeerIdentity = TX_ID, cfg: TransportConfig = CFG) -> Any:
@@ -134,7 +134,8 @@ def assert_still_serves(rx: Any, kind: str = "grpc") -> None:
 
 @pytest.fixture(scope="module")
 def receivers() -> Iterator[dict[str, Any]]:
-    rxs = {kind: make_receiver(kind, RX_ID, CFG, "127.0.0.1", 0) for kind in ("grpc", "torch")}
+    kinds = ("grpc", "torch", "nixl")
+    rxs = {kind: make_receiver(kind, RX_ID, CFG, "127.0.0.1", 0) for kind in kinds}
     rxs["shm"] = rxs["grpc"]  # every receiver serves shm on its one address
     yield rxs
     for rx in rxs.values():

@@ -83,8 +83,8 @@ def test_an_unknown_section_is_refused_with_the_known_ones() -> None:
      r"engine\.max_model_len: Input should be a valid integer.*\(got 'big'\)"),
     ("engine:\n  max_model_len: 8\n", r"engine\.max_model_len: Input should be greater than "
      r"or equal to 16"),
-    ("worker:\n  kv_transport: rdma\n", r"worker\.kv_transport: Input should be 'grpc' or "
-     r"'torch'"),
+    ("worker:\n  kv_transport: rdma\n", r"worker\.kv_transport: Input should be 'grpc', "
+     r"'torch' or 'nixl'"),
     ("engine: 4096\n", r"engine must be a mapping"),
     ("- engine\n", r"must be a mapping of sections"),
     ("engine: [\n", r"not YAML"),

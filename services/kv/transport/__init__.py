@@ -6,8 +6,40 @@
 * "torch": payloads over a torch.distributed pair group (gloo for CPU tensors, NCCL for
   CUDA tensors), control over one gRPC stream per pair. A "torch" receiver also accepts
   "grpc" transfers.
+* "nixl": one-sided NIXL (UCX) WRITEs into memory the receiver registered once, control
+  and descriptors over one gRPC stream per transfer (see `nixl_receiver`). A "nixl"
+  receiver also accepts "grpc" transfers, which is where a nixl sender sends a transfer
+  NIXL cannot take.
 * "shm" (same host only): through shared-memory segments the receiver owns; every
   receiver serves it too (unless its config turns shm off), on the same address.
+
+The decode worker names its kind (`--kv-transport`); a prefill worker on the same host
+still goes through shm unless shm is off (`--no-kv-shm`) on either side.
+
+NIXL (the library vLLM, Dynamo, llm-d and SGLang move KV with; UCX underneath: NVLink,
+RDMA, TCP, or cross-process memory access on one host):
+
+* Each process has one NIXL agent (`nixl_agent.agent()`: UCX backend, no progress thread;
+  UCX is driven by the threads that wait on it) and registers one arena with it at
+  start, `pool_bytes` large: the receiver's staging, which senders write into, and the
+  sender's source buffers. Host memory registers as DRAM, GPU memory as VRAM; that
+  choice, by the tensor's device, is the only difference between CPU and GPU.
+* Per transfer, the HEADER/SEGMENT exchange on the receiver's gRPC server (internal mTLS)
+  hands the sender a region of the receiver's arena, its agent metadata and a fresh tag;
+  the sender then WRITEs each layer as the engine hands it over, with a notification,
+  and announces it with its checksum on the stream. Epochs, fingerprints, released ids,
+  leases, stalls and exactly-once outcomes are the staging table's, as for every
+  transport. The checksum stays: UCX's data path is neither authenticated nor visible to
+  pdserve, and a late WRITE of an abandoned transfer could land in a reused region (a
+  failed transfer's regions are quarantined for a lease against that).
+* A transfer NIXL cannot take (a receiver without it, a full arena) goes over gRPC,
+  logged once per peer and reason. A process without the nixl package refuses to start
+  a nixl receiver or sender, saying what to install.
+* Not done yet: different tensor-parallel sizes on the two sides, a run on GPUs (VRAM
+  registration is written, never run), and vLLM's own NixlConnector: pdserve keeps one
+  connector (its contracts, fallbacks and metrics) and uses NIXL as a transport under
+  it; NixlConnector trades agent metadata on a side channel of its own
+  (`VLLM_NIXL_SIDE_CHANNEL_PORT`), outside internal mTLS.
 """
 
 from __future__ import annotations
@@ -22,7 +54,7 @@ from services.kv.transport.spec import (
     TransportConfig,
 )
 
-KINDS = ("grpc", "torch")  # network transports, named by decode workers
+KINDS = ("grpc", "torch", "nixl")  # network transports, named by decode workers
 SHM = "shm"  # same-host transport, chosen by the producer (see make_shm_sender)
 
 __all__ = [
@@ -43,7 +75,7 @@ __all__ = [
 
 
 def make_sender(kind: str, identity: PeerIdentity, config: TransportConfig) -> KVSender:
-    """A sender of the given kind ("grpc" or "torch")."""
+    """A sender of the given kind ("grpc", "torch" or "nixl")."""
     # Imports are local so that importing the interface never pulls in grpc or c10d.
     if kind == "grpc":
         from services.kv.transport.grpc_sender import GrpcKVSender
@@ -53,6 +85,11 @@ def make_sender(kind: str, identity: PeerIdentity, config: TransportConfig) -> K
         from services.kv.transport.torch_sender import TorchDistSender
 
         return TorchDistSender(identity, config)
+    if kind == "nixl":
+        from services.kv.transport.grpc_sender import GrpcKVSender
+        from services.kv.transport.nixl_sender import NixlKVSender
+
+        return NixlKVSender(identity, config, GrpcKVSender(identity, config))
     raise ValueError(f"unknown KV transport {kind!r}; expected one of {', '.join(KINDS)}")
 
 
@@ -77,4 +114,8 @@ def make_receiver(
         from services.kv.transport.torch_receiver import TorchDistReceiver
 
         return TorchDistReceiver(identity, config, host, port)
+    if kind == "nixl":
+        from services.kv.transport.nixl_receiver import NixlKVReceiver
+
+        return NixlKVReceiver(identity, config, host, port)
     raise ValueError(f"unknown KV transport {kind!r}; expected one of {', '.join(KINDS)}")
