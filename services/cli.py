@@ -16,6 +16,7 @@ from services.registry.config import ClusterStateConfig
 from services.router.config import RouterConfig
 from services.server.settings import ServerConfig
 from services.settings import add_arguments, from_arguments
+from services.traffic.flags import HelpFormatter as TrafficHelpFormatter
 from services.worker.config import WorkerConfig
 
 log = logging.getLogger("pdserve")
@@ -48,6 +49,7 @@ async def _serve_colocated(engine_cfg: EngineConfig, server_cfg: ServerConfig) -
     engine = Engine(engine_cfg)
     engine.start()
     try:
+        await engine.warm_up()  # before it serves: no user request pays first-use costs
         backend = ColocatedBackend(engine)
         await serve_public(server_cfg, backend,
                            f"pdserve (colocated) serving {engine.served_name}")
@@ -158,14 +160,20 @@ def cmd_scale(args: argparse.Namespace) -> int:
 
 
 def cmd_down(args: argparse.Namespace) -> int:
+    from services.launcher.down import wait_down
     from services.launcher.scale import set_desired
 
     try:
         asyncio.run(set_desired(args.redis_url, {"down": True}, args.cluster_secret_file))
+        if args.no_wait:
+            print("asked the stack to shut down")
+            return 0
+        print("asked the stack to shut down; waiting until it is down", flush=True)
+        took = asyncio.run(wait_down(args.redis_url, args.timeout))
     except RuntimeError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    print("asked the stack to shut down")
+    print(f"the stack is down ({took:.0f} s)")
     return 0
 
 
@@ -204,12 +212,13 @@ async def _generate(args: argparse.Namespace) -> int:
     else:
         request = build_request(text=args.prompt, model=args.model, **_sampling(args))
     async with PdserveClient(args.target, **client_security(args)) as client:
+        call = client.call(request, args.timeout)
         try:
             if args.json:
-                result = await collect(client.call(request, args.timeout))
+                result = await collect(call)
                 print(json.dumps(dataclasses.asdict(result), indent=2))
                 return 0
-            async for response in client.call(request, args.timeout):
+            async for response in call:
                 if response.HasField("chunk"):
                     print(response.chunk.text, end="", flush=True)
                 elif response.HasField("final") and args.verbose:
@@ -222,6 +231,14 @@ async def _generate(args: argparse.Namespace) -> int:
         except grpc.aio.AioRpcError as e:
             print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr)
             return 1
+        except asyncio.CancelledError:  # Ctrl-C
+            if not args.json:
+                print()  # ends the answer's line, so that "interrupted" has its own
+            raise
+        finally:
+            # Ctrl-C (a cancelled task) included: the server aborts the request and
+            # frees its slot instead of generating on for nobody.
+            call.cancel()
     return 0
 
 
@@ -267,8 +284,27 @@ def _sampling_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+class HelpFormatter(TrafficHelpFormatter):
+    """`--help` says each flag's default, except where the help text does already or
+    the default only means "not given" (None, off, empty)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False, "", []):
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """pdserve's parsers: subcommands' parsers are of the same class (argparse makes
+    them with the parent's), so every `--help` shows defaults."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="pdserve",
         description="Disaggregated LLM serving on vLLM: prefill and decode on separate "
         "worker pools.",
@@ -349,6 +385,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "secret (default: $PDSERVE_CLUSTER_SECRET[_FILE], or the local stack's)")
     down.add_argument("--redis-url", default="", help="the stack's Redis; default: the "
                       "local stack's")
+    down.add_argument("--no-wait", action="store_true", help="return once the stack is "
+                      "asked to stop, not when it is down")
+    down.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the "
+                      "stack to be down (its workers drain first, --grace-s)")
     down.set_defaults(func=cmd_down)
 
     config = sub.add_parser("config", help="settings files").add_subparsers(
@@ -417,11 +457,19 @@ def main(argv: list[str] | None = None) -> int:
     args.command_flags = extra
     if extra and not getattr(args, "takes_command_flags", False):
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
-    logging.basicConfig(
-        level=args.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    return int(args.func(args))
+    from services.observability.logs import setup_logging
+
+    try:
+        setup_logging(args.log_level, quiet_libraries=args.command == "up")
+    except ValueError as e:
+        parser.error(str(e))
+    try:
+        return int(args.func(args))
+    except KeyboardInterrupt:
+        # Ctrl-C is how a user stops a stream or a wait, not a failure to trace: what
+        # was running has been cancelled on the way out (its RPCs with it).
+        print("interrupted", file=sys.stderr)
+        return 130  # 128 + SIGINT, as shells report it
 
 
 if __name__ == "__main__":

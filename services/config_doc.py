@@ -28,6 +28,8 @@ file. Where one setting is given several ways, the first of these wins:
 mapping of sections, one per settings model below, each a mapping of that model's setting \
 names (the **key** column) to values:
 
+<!-- not-run: output: a settings file (tests/unit/test_doc_blocks.py loads it with pdserve's \
+settings-file parser) -->
 ```yaml
 engine:
   max_model_len: 4096

@@ -30,11 +30,9 @@ from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
 from services.config_sections import section_models, section_of
+from services.security.redaction import MASK, redact_url
 from services.settings import CONFIG_DEST, SettingsFile, exposed_settings, from_arguments
 
-MASK = "***"
-# user:password@ in a URL (redis://:pw@host, https://user:pw@host/...).
-URL_PASSWORD = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)[^@/\s]+(?P<at>@)", re.I)
 # Fields whose value is itself a credential (their *_file siblings are paths: shown).
 SECRET_NAME = re.compile(r"(secret|password|api_keys?|token)$")
 
@@ -143,7 +141,7 @@ def mask(name: str, value: Any) -> Any:
         return value
     if SECRET_NAME.search(name):
         return MASK
-    return URL_PASSWORD.sub(rf"\g<head>{MASK}\g<at>", value)
+    return redact_url(value)
 
 
 def effective_settings(args: argparse.Namespace) -> dict[str, dict[str, Any]]:

@@ -16,6 +16,8 @@ from tqdm import tqdm
 from services.api.client import PdserveClient
 from services.server.channels import free_port
 
+STOP_TIMEOUT_S = 120.0
+
 
 async def _wait_and_ask(args: argparse.Namespace, port: int, server: subprocess.Popen[bytes],
                         log_path: str) -> int:
@@ -67,7 +69,9 @@ def run_demo(args: argparse.Namespace) -> int:
         if server.poll() is None:
             os.killpg(server.pid, signal.SIGTERM)
             try:
-                server.wait(timeout=30)
+                # The stack drains its workers, then removes its Redis password, keys and
+                # state file: a SIGKILL before that would leave them behind.
+                server.wait(timeout=STOP_TIMEOUT_S)
             except subprocess.TimeoutExpired:
                 os.killpg(server.pid, signal.SIGKILL)
         print(f"(server log: {log.name})", file=sys.stderr)

@@ -108,4 +108,4 @@ def redis() -> Iterator[RedisServer]:
     """A real redis-server on a free loopback port, for one test module."""
     server = RedisServer().start()
     yield server
-    server.stop()
+    server.cleanup()

@@ -6,10 +6,11 @@ modules here follow one run from there to the report:
 
 - ``targets``: how to send them (pdserve gRPC ``Generate`` or OpenAI ``/v1/completions``
   streaming), yielding per-chunk receive times.
+- ``served_tokenizer``: the served model's tokenizer, for runs given no ``--tokenizer``.
 - ``runner``: drives a run or a rate sweep and fills one ``RequestRecord`` per request;
   ``distributed`` spreads one run over several load-generator processes (Ray actors).
 - ``report`` and ``plots``: JSON, JSONL, CSV, PNG plots and one HTML report.
-- ``compare``: two summaries side by side.
+- ``compare``: two summaries side by side, with what differs between their workloads.
 - ``simulator``: simulated servers (gRPC and OpenAI SSE) for tests and for the harness's
   own ceiling.
 - ``upstack``, ``faults``, ``tokens``, ``reference``, ``procstats``, ``chaos_report``:

@@ -21,6 +21,7 @@ from services.bench.compare import compare_table, load_summary, write_compare_re
 from services.bench.distributed import RayDriver
 from services.bench.report import text_summary, write_report
 from services.bench.runner import Driver, Runner, rate_label, sweep
+from services.bench.served_tokenizer import served_tokenizer
 from services.bench.targets import PROMPT_MODES, GrpcTarget, OpenAITarget, Target
 from services.security.client_flags import add_client_security_flags, client_security
 from services.traffic.flags import (
@@ -32,7 +33,7 @@ from services.traffic.flags import (
     workload_config,
 )
 from services.traffic.slo import parse_slos
-from services.traffic.workload import build_workload, load_tokenizer
+from services.traffic.workload import WorkloadConfig, build_workload, load_tokenizer
 
 _FMT = HelpFormatter
 
@@ -79,7 +80,8 @@ def _add_output_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--output-dir", default=None,
                    help="where files go (default: bench-results/<time>-<label>)")
     g.add_argument("--label", default="",
-                   help="name of this run in files and plots (default: the rate)")
+                   help="name of this run in files and plots (default: the target and the "
+                   "workload, e.g. pdserve-random-256in-32out, each run in it named by its rate)")
     g.add_argument("--no-plots", action="store_true", help="skip PNG plots")
     g.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -97,7 +99,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                            description="Runs at several request rates, one after another.")
     for p, is_sweep in ((run, False), (sweep, True)):
         _add_target_args(p)
-        add_workload_args(p)
+        add_workload_args(p, served=True)
         add_arrival_args(p, is_sweep)
         _add_output_args(p)
     run.set_defaults(func=cmd_run)
@@ -128,10 +130,14 @@ async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
         raise ValueError(f"--generators must be >= 1, got {args.generators}")
     n = request_count(args, rates)
     arrivals = [arrival_config(args, rate) for rate in rates]  # validate before any work
-    tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
+    target = build_target(args)
+    tokenizer_dir, model = args.tokenizer, args.model
+    if tokenizer_dir is None and _needs_tokenizer(args):
+        model, folder = await served_tokenizer(build_target(args))
+        tokenizer_dir = str(folder)
+    tokenizer = load_tokenizer(tokenizer_dir) if tokenizer_dir else None
     wcfg = workload_config(args, min(n, 10_000))  # longer runs reuse the specs in a cycle
     specs = build_workload(wcfg, tokenizer)
-    target = build_target(args)
     driver: Driver
     if args.generators > 1:
         driver = RayDriver(functools.partial(build_target, args), args.generators,
@@ -143,17 +149,19 @@ async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
     await driver.start()
     try:
         single = len(rates) == 1 and args.bench_command == "run"
-        label = args.label or rate_label(rates[0])
-        results = ([await driver.run(specs, arrivals[0], label, n)] if single else
+        results = ([await driver.run(specs, arrivals[0], args.label or rate_label(rates[0]),
+                                     n)] if single else
                    await sweep(driver, specs, arrivals[0], rates, n, args.sweep_pause))
     finally:
         await driver.close()
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    out_dir = Path(args.output_dir or f"bench-results/{stamp}-{args.label or target.name}")
+    label = args.label or default_label(target.name, wcfg)
+    out_dir = Path(args.output_dir or f"bench-results/{stamp}-{label}")
     meta: dict[str, Any] = {
-        "label": args.label, "target": target.name, "started": stamp,
+        "label": label, "target": target.name, "started": stamp,
         "endpoint": args.address if args.target == "pdserve" else args.base_url,
-        "model": args.model, "prompt_as": args.prompt_as, "num_requests": n,
+        "model": model or getattr(target, "model", ""), "tokenizer": tokenizer_dir,
+        "prompt_as": args.prompt_as, "num_requests": n,
         "workload": asdict(wcfg), "command": " ".join(sys.argv[1:]),
         "generators": args.generators,
     }
@@ -162,6 +170,23 @@ async def _execute(args: argparse.Namespace, rates: list[float]) -> int:
         print(text_summary(summary))
     print(f"results: {out_dir}")
     return 0 if all(s["completed"] > 0 for s in document["runs"]) else 1
+
+
+def _needs_tokenizer(args: argparse.Namespace) -> bool:
+    """Token-id prompts of the random datasets can do with --vocab-size alone."""
+    return (args.vocab_size is None or args.prompt_as == "text"
+            or args.dataset in ("sharegpt", "prompts"))
+
+
+def default_label(target: str, wcfg: WorkloadConfig) -> str:
+    """A run's name when --label gives none: the target and the workload in short, e.g.
+    ``pdserve-random-256in-32out``."""
+    if wcfg.dataset in ("sharegpt", "prompts"):
+        return f"{target}-{wcfg.dataset}-{Path(wcfg.path or '').stem}"
+    lengths = f"{wcfg.input_len.mean}in-{wcfg.output_len.mean}out"
+    if wcfg.dataset == "mixed":
+        lengths += f"-{wcfg.long_share:g}long"
+    return f"{target}-{wcfg.dataset}-{lengths}"
 
 
 def cmd_run(args: argparse.Namespace) -> int:

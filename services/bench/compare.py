@@ -2,7 +2,9 @@
 
 Runs are paired by label (a sweep's ``rate-2`` with the other sweep's ``rate-2``), or by
 position when the labels differ (one run each: A's run against B's run). The table is
-Markdown, which reads as well in a terminal as in an issue or a PR.
+Markdown, which reads as well in a terminal as in an issue or a PR. Runs of different
+workloads or SLOs are still compared, under a warning that lists what differs: their ratios
+measure the workloads as much as the servers.
 """
 
 from __future__ import annotations
@@ -41,6 +43,77 @@ def pair_runs(a: dict[str, Any], b: dict[str, Any]) -> list[tuple[dict[str, Any]
     return pairs or list(zip(a["runs"], b["runs"], strict=False))
 
 
+# Workload fields named for people; the rest go by their own names.
+_WORKLOAD_NAMES = {
+    "dataset": "dataset", "input_len": "input length (tokens)",
+    "output_len": "output length (tokens)", "num_requests": "requests",
+    "prompt_as": "prompts sent as", "path": "dataset file", "seed": "seed",
+}
+# Arrival fields that change the load a server sees.
+_ARRIVAL_NAMES = {
+    "rate": "request rate (req/s)", "process": "arrival process", "burstiness": "burstiness",
+    "ramp_from": "ramp start rate", "ramp_s": "ramp length (s)",
+    "max_concurrency": "concurrency cap", "duration_s": "duration (s)",
+}
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, dict) and "mean" in value:  # a length distribution
+        spread = value.get("spread") or 0
+        return f"{value['mean']}" + (f" ({value.get('dist')} {spread:g})" if spread else "")
+    if isinstance(value, dict):
+        return ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}"
+                         for k, v in value.items()) or "none"
+    if value is None:
+        return "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def _workload(doc: dict[str, Any]) -> dict[str, Any]:
+    meta = doc.get("meta") or {}
+    fields = dict(meta.get("workload") or {})
+    fields.pop("with_text", None)  # what prompt_as says
+    fields.pop("num_requests", None)  # capped for long runs; the meta's count is the run's
+    for key in ("num_requests", "prompt_as"):
+        if key in meta:
+            fields[key] = meta[key]
+    return fields
+
+
+def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
+    """What differs between the workloads, arrivals and SLOs of two summaries, one line
+    each: ``name: A x, B y``."""
+    lines = []
+    wa, wb = _workload(a), _workload(b)
+    order = list(_WORKLOAD_NAMES)
+    for key in sorted(set(wa) & set(wb), key=lambda k: (order.index(k) if k in order
+                                                        else len(order), k)):
+        if wa[key] != wb[key]:
+            lines.append(f"{_WORKLOAD_NAMES.get(key, key)}: A {_show(wa[key])}, "
+                         f"B {_show(wb[key])}")
+    for run_a, run_b in pair_runs(a, b):
+        where = (f" ({run_a['label']} vs {run_b['label']})"
+                 if len(a["runs"]) > 1 or len(b["runs"]) > 1 else "")
+        arr_a, arr_b = run_a.get("arrivals") or {}, run_b.get("arrivals") or {}
+        for key, name in _ARRIVAL_NAMES.items():
+            if key in arr_a and key in arr_b and arr_a[key] != arr_b[key]:
+                lines.append(f"{name}{where}: A {_show(arr_a[key])}, B {_show(arr_b[key])}")
+        if run_a.get("slos") != run_b.get("slos"):
+            lines.append(f"goodput SLOs (s){where}: A {_show(run_a.get('slos') or {})}, "
+                         f"B {_show(run_b.get('slos') or {})}")
+    return lines
+
+
+def warning(a: dict[str, Any], b: dict[str, Any]) -> str:
+    """The warning printed above a comparison of unlike runs; "" for like runs."""
+    lines = differences(a, b)
+    if not lines:
+        return ""
+    return ("warning: A and B differ in workload or SLOs, so each ratio below measures the "
+            "difference in workload as well as in server:\n"
+            + "\n".join(f"- {line}" for line in lines))
+
+
 def _get(run: dict[str, Any], path: tuple[str, ...]) -> float | None:
     value: Any = run
     for key in path:
@@ -62,8 +135,13 @@ def _ratio(a: float | None, b: float | None, higher_better: bool) -> str:
 
 def compare_table(a: dict[str, Any], b: dict[str, Any], a_name: str = "A",
                   b_name: str = "B") -> str:
-    """Markdown tables, one per paired run."""
-    blocks = []
+    """Markdown tables, one per paired run, under a warning when the runs differ in
+    workload or SLOs."""
+    blocks = [text for text in (warning(a, b),) if text]
+    names = [f"{name}: {label}" for name, doc in ((a_name, a), (b_name, b))
+             if (label := (doc.get("meta") or {}).get("label"))]
+    if names:
+        blocks.append("\n".join(names))
     for run_a, run_b in pair_runs(a, b):
         lines = [f"### {run_a['label']} vs {run_b['label']}", "",
                  f"| metric | {a_name} | {b_name} | B/A |", "| --- | ---: | ---: | ---: |"]
@@ -78,7 +156,9 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], a_name: str = "A",
                 lines.append(f"| anatomy {seg} mean (s) | {_cell(va)} | {_cell(vb)} | "
                              f"{_ratio(va, vb, False)} |")
         blocks.append("\n".join(lines))
-    return "\n\n".join(blocks) if blocks else "(no runs to compare)"
+    if not pair_runs(a, b):
+        blocks.append("(no runs to compare)")
+    return "\n\n".join(blocks)
 
 
 def compare_plots(a_path: Path, b_path: Path, a: dict[str, Any], b: dict[str, Any],
@@ -116,7 +196,7 @@ def write_compare_report(a_path: Path, b_path: Path, out_dir: Path) -> Path:
     runs = [{**run, "label": f"{prefix} {run['label']}"}
             for prefix, doc in (("A", a), ("B", b)) for run in doc["runs"]]
     meta = {"A": str(a_path), "B": str(b_path), "A meta": a.get("meta", {}),
-            "B meta": b.get("meta", {})}
+            "B meta": b.get("meta", {}), "differences": differences(a, b) or "none"}
     page = out_dir / "compare.html"
     page.write_text(render_html(meta, runs, images, title="pdserve bench compare"))
     return page

@@ -24,6 +24,7 @@ from typing import Any
 
 from services.bench.runner import RunResult
 from services.traffic.latency import ANATOMY_SEGMENTS, itls, tpot
+from services.traffic.overload import judge
 from services.traffic.record import RequestRecord, ServerTimings
 from services.traffic.slo import SLOs
 from services.traffic.summary import summarize
@@ -55,6 +56,7 @@ def run_summary(result: RunResult, slos: SLOs) -> dict[str, Any]:
         "started_at": result.started_at,
         "wall_s": result.wall_s,
         **summarize(result.records, slos),
+        "overload": judge([r for r in result.records if not r.warmup]).as_dict(),
     }
 
 
@@ -135,17 +137,20 @@ def render_html(meta: dict[str, Any], summaries: Sequence[dict[str, Any]],
     style = ("body{font-family:sans-serif;margin:2em}table{border-collapse:collapse;"
              "margin:1em 0}td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
              "img{max-width:100%}")
+    warnings = "".join(
+        f"<p><b>{html.escape(str(s['label']))}</b>: {html.escape(w)}</p>"
+        for s in summaries if (w := (s.get("overload") or {}).get("warning")))
     title = html.escape(title)
     return (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{title}"
             f"</title><style>{style}</style></head><body><h1>{title}</h1>"
             f"<h2>Setup</h2>{_table(['key', 'value'], meta_rows)}"
-            f"<h2>Runs</h2>{runs}<h2>Latency (seconds)</h2>{lat}"
+            f"<h2>Runs</h2>{warnings}{runs}<h2>Latency (seconds)</h2>{lat}"
             f"<h2>Anatomy</h2>{_anatomy_table(summaries)}<h2>Plots</h2>{imgs}"
             f"</body></html>")
 
 
 def text_summary(summary: dict[str, Any]) -> str:
-    """Two lines per run for the terminal."""
+    """Two lines per run for the terminal, and a third when the run was overloaded."""
     s = summary
 
     def lat(metric: str) -> str:
@@ -153,11 +158,13 @@ def text_summary(summary: dict[str, Any]) -> str:
         return f"{metric.removesuffix('_s').upper()} p50 {_num(st['p50'])} p99 {_num(st['p99'])}"
 
     errors = f" errors {s['errors']}" if s["errors"] else ""
+    warning = (s.get("overload") or {}).get("warning", "")
     return (f"{s['label']}: {s['completed']} ok / {s['failed']} failed in "
             f"{s['duration_s']:.1f} s | {s['request_throughput']:.3g} req/s, "
             f"{s['output_token_throughput']:.4g} out tok/s | goodput {s['goodput']:.3g} req/s "
             f"({100 * s['goodput_share']:.0f}%){errors}\n  "
-            + " | ".join(lat(m) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s")) + " (s)")
+            + " | ".join(lat(m) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s")) + " (s)"
+            + (f"\n  {warning}" if warning else ""))
 
 
 def _num(value: float | None) -> str:

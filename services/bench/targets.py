@@ -66,6 +66,10 @@ class Target(Protocol):
 
     async def close(self) -> None: ...
 
+    async def served_model(self) -> str:
+        """The model the server serves (``--model`` when given); after ``start``."""
+        ...
+
     def stream(self, spec: RequestSpec, request_id: str) -> AsyncIterator[Event]: ...
 
 
@@ -126,6 +130,14 @@ class GrpcTarget:
             await channel.close()
         self._channels.clear()
         self._stubs.clear()
+
+    async def served_model(self) -> str:
+        if not self.model:
+            info = await self._stubs[0].GetModelInfo(
+                generate_pb2.GetModelInfoRequest(), timeout=self.timeout_s,
+                metadata=self.metadata)
+            self.model = info.model
+        return self.model
 
     def _request(self, spec: RequestSpec, request_id: str) -> generate_pb2.GenerateRequest:
         sampling = generate_pb2.SamplingParams(
@@ -205,6 +217,9 @@ class OpenAITarget:
             async with self._session.get(f"{self.base_url}/v1/models") as resp:
                 resp.raise_for_status()
                 self.model = (await resp.json())["data"][0]["id"]
+
+    async def served_model(self) -> str:
+        return self.model  # `start` asked the server when none was given
 
     async def close(self) -> None:
         if self._session is not None:

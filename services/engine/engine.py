@@ -6,6 +6,7 @@ settings they read from the environment are set here, before they spawn.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from collections.abc import AsyncIterator
@@ -24,6 +25,9 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
+
+# The warm-up requests' prompt: any few token ids every vocabulary has.
+WARM_UP_PROMPT = (1, 2, 3, 4)
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,6 +157,24 @@ class Engine:
             if self.config.engine_nice:
                 renice(spawned, self.config.engine_nice)
         self._facts = self._read_facts()
+
+    async def warm_up(self) -> None:
+        """Take the first-use costs a user's first request would otherwise pay, before
+        serving: on first use vLLM compiles (torch.compile) the sampler's count of the
+        tokens ranked above the chosen one, for logprobs, which takes seconds on a CPU.
+        One request alone and two together, as a new batch shape may compile again."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
+
+        async def one(i: int) -> None:
+            async for _ in self.generate(list(WARM_UP_PROMPT), params, f"warm-up-{i}"):
+                pass
+
+        await one(0)
+        # Two at once: they share at least one step, a batch of two.
+        await asyncio.gather(one(1), one(2))
+        log.info("engine warmed up (sampling with logprobs)")
 
     def shutdown(self) -> None:
         if self._llm is not None:

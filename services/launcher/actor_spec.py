@@ -9,12 +9,12 @@ loopback; joining a cluster, workers advertise their node's address instead.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.engine.config import EngineConfig, split_cores
 from services.launcher.settings import LOOPBACK, LauncherConfig, Stack
-from services.registry.signing import SECRET_ENV
+from services.observability.logs import quiet_env
 from services.router.config import RouterConfig
 from services.security.stack import StackCertificates
 from services.server.settings import ServerConfig
@@ -30,14 +30,14 @@ class RayOptions:
 
     name: str  # the actor's name in the namespace, e.g. decode-1
     role: str  # prefill, decode or router: the custom resource it takes
-    secret: str = ""  # the cluster secret, put in the actor's environment ("" = none)
     accelerator: str = ""  # a Ray accelerator type: one GPU of it; "" = a CPU actor
+    env: tuple[tuple[str, str], ...] = ()  # more environment variables of the actor
 
     @classmethod
-    def of(cls, launcher: LauncherConfig, role: str, name: str, secret: str) -> RayOptions:
+    def of(cls, launcher: LauncherConfig, role: str, name: str) -> RayOptions:
         accelerator = {"prefill": launcher.prefill_accelerator,
                        "decode": launcher.decode_accelerator}.get(role, "")
-        return cls(name, role, secret, accelerator)
+        return cls(name, role, accelerator)
 
     def kwargs(self) -> dict[str, Any]:
         """The options as `ActorClass.options(**kwargs)` takes them."""
@@ -46,9 +46,10 @@ class RayOptions:
             "max_task_retries": 0, "max_concurrency": 64,
             "resources": {f"pdserve_{self.role}": 1},
         }
-        if self.secret:
-            # Registries in the actors read it (services/registry/signing.py).
-            options["runtime_env"] = {"env_vars": {SECRET_ENV: self.secret}}
+        if self.env:
+            # Never a secret: Ray's runtime-env agent logs these (the cluster secret
+            # travels in the actor's arguments, `WorkerArgs.secret`).
+            options["runtime_env"] = {"env_vars": dict(self.env)}
         if self.accelerator:
             options.update(num_gpus=1, accelerator_type=self.accelerator)
         else:
@@ -69,6 +70,7 @@ class WorkerArgs:
     # Joining a cluster: the worker may land on another node, so it advertises that
     # node's address, which only the actor knows.
     advertise_node_ip: bool = False
+    secret: str = field(default="", repr=False)  # the cluster secret ("" = none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ class RouterArgs:
 
     server: ServerConfig
     router: RouterConfig
+    secret: str = field(default="", repr=False)  # the cluster secret ("" = none)
 
     @property
     def role(self) -> str:
@@ -105,7 +108,9 @@ class ActorSpecs:
 
     def spec(self, role: str, index: int) -> ActorSpec:
         """The actor `index` of `role` (prefill, decode or router)."""
-        options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}", self.secret)
+        options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}")
+        # How the actor and its engine processes log (services/observability/logs.py).
+        options = replace(options, env=tuple(quiet_env(self.stack.log_level).items()))
         if role == "router":
             return ActorSpec(options, self.router(index))
         return ActorSpec(options, self.worker(role, index))
@@ -126,7 +131,7 @@ class ActorSpecs:
 
     def router(self, index: int) -> RouterArgs:
         router = self.stack.router.model_copy(update={"redis_url": self.redis_url})
-        return RouterArgs(self._server("router", first=index == 0), router)
+        return RouterArgs(self._server("router", first=index == 0), router, self.secret)
 
     def worker(self, role: str, index: int) -> WorkerArgs:
         lc = self.stack.launcher
@@ -138,4 +143,4 @@ class ActorSpecs:
             update["kv_host"] = LOOPBACK
         worker = self.stack.worker.model_copy(update=update)
         return WorkerArgs(role, self._server(role, first=False), engine, worker,
-                          advertise_node_ip=not self.local_cluster)
+                          advertise_node_ip=not self.local_cluster, secret=self.secret)

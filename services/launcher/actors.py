@@ -15,7 +15,10 @@ from typing import Any
 
 from services.engine.config import EngineConfig
 from services.launcher.actor_spec import RouterArgs, WorkerArgs
+from services.observability.logs import LEVEL_ENV, setup_logging
+from services.registry.signing import SECRET_ENV
 from services.router.config import RouterConfig
+from services.security import redaction
 from services.server.settings import ServerConfig
 from services.worker.config import WorkerConfig
 
@@ -27,8 +30,13 @@ class ServiceActor:
     supervisor, which starts it with the role's `ActorSpec` (actor_spec.py)."""
 
     def __init__(self, args: WorkerArgs | RouterArgs) -> None:
-        logging.basicConfig(level=logging.INFO,
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        setup_logging(os.environ.get(LEVEL_ENV, "INFO"), quiet_libraries=True)
+        if args.secret:  # registries in this process (and its engines') read it here
+            os.environ[SECRET_ENV] = args.secret
+        # What this actor holds that its log lines must never show.
+        redaction.register(args.secret)
+        redaction.register_url(args.worker.redis_url if isinstance(args, WorkerArgs)
+                               else args.router.redis_url)
         self.role = args.role
         self.pid = os.getpid()
         loop = asyncio.get_running_loop()

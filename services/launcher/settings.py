@@ -61,6 +61,10 @@ class LauncherConfig(BaseSettings):
     state_file: str = Field("", description="where `scale` and `down` find a local stack's "
                             "Redis URL and secret (mode 0600); default up.json beside the "
                             "models cache", json_schema_extra=ADVANCED)
+    prometheus_sd_file: str = Field(
+        "", description="Prometheus file-based service discovery: the stack's metrics "
+        "endpoints (router, every worker) as file_sd_configs JSON, kept current as workers "
+        "come and go; default prometheus-targets.json beside the state file")
     planner_profile: str = Field(
         "", description="GPU stacks: a `pdserve plan profile` JSON; set, the live planner "
         "moves workers between the prefill and decode pools (their total stays) to the split "
@@ -98,6 +102,7 @@ class Stack:
     router: RouterConfig
     cluster: ClusterStateConfig = field(
         default_factory=lambda: ClusterStateConfig())  # type: ignore[call-arg]
+    log_level: str = "INFO"  # `--log-level`: the launcher's, its actors' and their engines'
 
 
 def stack_from_args(args: argparse.Namespace) -> Stack:
@@ -106,4 +111,5 @@ def stack_from_args(args: argparse.Namespace) -> Stack:
     return Stack(from_arguments(LauncherConfig, args), engine,
                  from_arguments(ServerConfig, args), from_arguments(WorkerConfig, args),
                  from_arguments(RouterConfig, args),
-                 cluster=from_arguments(ClusterStateConfig, args))
+                 cluster=from_arguments(ClusterStateConfig, args),
+                 log_level=getattr(args, "log_level", "INFO"))

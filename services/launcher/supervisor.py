@@ -117,7 +117,9 @@ class Supervisor:
             t.ready.cancel()
         try:
             if t.state == "serving":
-                log.info("draining %s (up to %.0f s)", name, self.drain_timeout_s)
+                # No duration here: the actor's server logs the one that counts, its
+                # `grace_s` for running streams (`drain_timeout_s` only bounds a hang).
+                log.info("draining %s", name)
                 await asyncio.wait_for(_result(t.handle.drain.remote()), self.drain_timeout_s)
         except Exception as e:  # timed out, or already gone (a cancellation passes)
             log.warning("%s did not drain (%s); stopping it", name, type(e).__name__)

@@ -25,22 +25,29 @@ import contextlib
 import logging
 import os
 import signal
+import time
 import uuid
+from pathlib import Path
 
 from prometheus_client import start_http_server
 
 from services.launcher.actor_spec import ROLES, ActorSpecs
 from services.launcher.credentials import cluster_secret, stack_certificates
 from services.launcher.desired import Desired, DesiredState
+from services.launcher.placement import stack_warning
 from services.launcher.planning import live_planner, run_planner
 from services.launcher.ray_cluster import start_ray
 from services.launcher.settings import LOOPBACK, Stack
 from services.launcher.supervisor import ProbeSettings, Supervisor
 from services.launcher.watch import Watch
+from services.observability.discovery import TargetsFile
+from services.observability.logs import driver_env
 from services.registry.local_stack import STATE_FILE_ENV, LocalStack, remove_state, write_state
-from services.registry.redis_server import RedisServer, redact
+from services.registry.redis_server import RedisServer
 from services.registry.registry import Registry, redis_client
 from services.registry.signing import RecordSigner
+from services.security import redaction
+from services.security.redaction import redact_url
 
 log = logging.getLogger(__name__)
 
@@ -53,40 +60,89 @@ def supervisor_for(stack: Stack, specs: ActorSpecs) -> Supervisor:
                       drain_timeout_s=stack.server.grace_s + 20.0)
 
 
+def _stop_on_signals(stop: asyncio.Event) -> None:
+    """SIGTERM and SIGINT set `stop`: the stack then stops and cleans up."""
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+
+async def _forget(state: DesiredState) -> None:
+    with contextlib.suppress(Exception):  # its Redis may be gone already
+        await state.delete()
+
+
+def _warn_if_cores_shared(stack: Stack, prefill: int, decode: int) -> None:
+    warning = stack_warning(stack, prefill, decode)
+    if warning:
+        log.warning("%s", warning)
+
+
 async def run_up(stack: Stack) -> None:
     """Run the stack until SIGTERM, SIGINT or `pdserve down`, then stop all of it."""
+    started = time.monotonic()
+    os.environ.update(driver_env(stack.log_level))
     import ray
 
     lc = stack.launcher
     planner = live_planner(stack)  # a setting that cannot work stops here, before anything
     if lc.state_file:
         os.environ[STATE_FILE_ENV] = lc.state_file
+    stop = asyncio.Event()
+    # From the start: a stop while the stack starts cleans up like any other.
+    _stop_on_signals(stop)
     if lc.supervisor_metrics_port:
         start_http_server(lc.supervisor_metrics_port, addr=LOOPBACK)
-    local_redis = None
-    redis_url = stack.router.redis_url
-    if not redis_url:
-        local_redis = RedisServer().start()
-        redis_url = local_redis.url
-        log.info("started redis-server at %s", redact(redis_url))
-    secret = cluster_secret(stack.cluster)
-    redis = redis_client(redis_url, timeout_s=2.0)
-    signer = RecordSigner(secret.encode() if secret else None)
-    state = DesiredState(redis, signer)
-    desired = Desired(lc.prefill, lc.decode, lc.routers, stack=uuid.uuid4().hex).updated()
-    await state.write(desired)
-    tls = stack_certificates(stack)
-    state_file = write_state(LocalStack(redis_url, secret, str(tls.directory) if tls else ""))
-    start_ray(lc)
-    supervisor = supervisor_for(stack, ActorSpecs(stack, redis_url, secret, tls))
-    watch = Watch(state, desired, local_redis)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    probing: asyncio.Task[None] | None = None
-    planning: asyncio.Task[None] | None = None
-    try:
+    state_file: Path | None = None
+
+    def forget_state_file() -> None:
+        if state_file is not None:  # never another stack's
+            remove_state()
+
+    # Every cleanup is registered as soon as there is something to clean up, and runs
+    # (in reverse) however the stack ends: a stop, an error, a failed start. The state
+    # file goes last: `pdserve down` waits for it.
+    async with contextlib.AsyncExitStack() as cleanup:
+        cleanup.callback(forget_state_file)
+        local_redis = None
+        redis_url = stack.router.redis_url
+        if not redis_url:
+            local_redis = RedisServer().start()
+            cleanup.callback(local_redis.cleanup)
+            redis_url = local_redis.url
+            log.info("started redis-server at %s", redact_url(redis_url))
+        secret = cluster_secret(stack.cluster)
+        redaction.register(secret)
+        redaction.register_url(redis_url)
+        redis = redis_client(redis_url, timeout_s=2.0)
+        cleanup.push_async_callback(redis.aclose)
+        signer = RecordSigner(secret.encode() if secret else None)
+        state = DesiredState(redis, signer)
+        desired = Desired(lc.prefill, lc.decode, lc.routers, stack=uuid.uuid4().hex).updated()
+        await state.write(desired)
+        cleanup.push_async_callback(_forget, state)
+        tls = stack_certificates(stack)
+        if tls is not None:
+            cleanup.callback(tls.close)
+        # Prometheus file-based discovery of every metrics endpoint, kept current from Redis.
+        targets = TargetsFile.of_stack(lc.prometheus_sd_file, Registry(redis, signer=signer),
+                                       stack.server)
+        state_file = write_state(LocalStack(redis_url, secret,
+                                            str(tls.directory) if tls else "",
+                                            targets.router_addresses))
+        await asyncio.sleep(0)  # a signal that came during the steps above sets `stop` now
+        if stop.is_set():
+            return
+        cleanup.callback(ray.shutdown)  # also after a start cut short
+        start_ray(lc, stack.log_level)
+        _stop_on_signals(stop)  # again: ray.init put its own SIGTERM handler in place
+        supervisor = supervisor_for(stack, ActorSpecs(stack, redis_url, secret, tls))
+        cleanup.push_async_callback(supervisor.stop_all)
+        watch = Watch(state, desired, local_redis)
+        targets.start()
+        cleanup.push_async_callback(targets.close)
+        log.info("Prometheus targets (file_sd_configs) in %s", targets.path)
+        _warn_if_cores_shared(stack, desired.prefill, desired.decode)
         for role in ROLES:
             supervisor.ensure(role, getattr(desired, role))
         supervisor.ensure("router", lc.routers)
@@ -98,13 +154,17 @@ async def run_up(stack: Stack) -> None:
             return
         stopping.cancel()
         router = ready.result()["router-0"]
-        print(f"pdserve is up: router on {stack.server.host}:{router['port']} "
-              f"({desired.prefill} prefill, {desired.decode} decode workers; Redis "
-              f"{redact(redis_url)}; state in {state_file})", flush=True)
+        print(f"ready in {time.monotonic() - started:.0f} s: pdserve is up, router on "
+              f"{stack.server.host}:{router['port']} ({desired.prefill} prefill, "
+              f"{desired.decode} decode workers; Redis {redact_url(redis_url)}; state in "
+              f"{state_file})", flush=True)
         probing = asyncio.create_task(supervisor.watch())
+        cleanup.callback(probing.cancel)
         if planner is not None:
             registry = Registry(redis, signer=signer)
             planning = asyncio.create_task(run_planner(planner, registry, watch))
+            cleanup.callback(planning.cancel)
+        sizes = (desired.prefill, desired.decode)
         while not stop.is_set():
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), timeout=1.0)
@@ -112,20 +172,9 @@ async def run_up(stack: Stack) -> None:
             want = await watch.read()
             if want.down:
                 break
+            if (want.prefill, want.decode) != sizes:  # `pdserve scale`, the planner
+                sizes = (want.prefill, want.decode)
+                _warn_if_cores_shared(stack, *sizes)
             for role in ROLES:
                 supervisor.ensure(role, getattr(want, role))
             supervisor.ensure("router", lc.routers)
-    finally:
-        for task in (probing, planning):
-            if task is not None:
-                task.cancel()
-        await supervisor.stop_all()
-        ray.shutdown()
-        with contextlib.suppress(Exception):
-            await state.delete()
-        await redis.aclose()
-        if local_redis is not None:
-            local_redis.cleanup()
-        if tls is not None:
-            tls.close()
-        remove_state()

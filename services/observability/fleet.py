@@ -74,12 +74,16 @@ def fetch(address: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> str | None:
 
 
 def metrics_address(record: WorkerRecord, overrides: Mapping[str, str]) -> str:
-    if record.worker_id in overrides:
-        return overrides[record.worker_id]
-    if not record.metrics_port:
-        return ""
-    host = record.address.rpartition(":")[0]
-    return f"{host}:{record.metrics_port}"
+    """Where this worker's metrics are read: the override, else what it registered."""
+    return overrides.get(record.worker_id) or record.metrics_target
+
+
+def started_age_s(epoch: int, wall: float) -> float | None:
+    """Seconds since a worker started, from its restart epoch (time.time_ns() at start);
+    None for an epoch that is no such time (an older or foreign writer)."""
+    if epoch < 10**18:  # before 2001 in nanoseconds: a counter, not a start time
+        return None
+    return max(0.0, wall - epoch / 1e9)
 
 
 @dataclass(frozen=True)
@@ -87,6 +91,7 @@ class Scrape:
     """One worker at one instant."""
 
     record: WorkerRecord
+    address: str  # where the metrics were read ("" = nowhere)
     at: float  # time.monotonic()
     counters: dict[str, float] | None  # None: metrics not reachable
 
@@ -97,7 +102,9 @@ class Row:
     role: str
     host: str
     address: str
-    epoch: int
+    epoch: int  # restart epoch, as registered (time.time_ns() at the worker's start)
+    started_age_s: float | None  # seconds since that start (None: epoch is no time)
+    metrics_address: str  # where its metrics were read ("" = none registered)
     queue: int  # requests waiting in the engine
     running: int
     capacity: int
@@ -118,13 +125,21 @@ class Snapshot:
     taken_at: float = field(default_factory=time.time)
 
     def to_dict(self) -> dict[str, object]:
-        return {"taken_at": self.taken_at, "workers": [asdict(r) for r in self.rows],
-                "router_migrations": self.routers}
+        return {
+            "taken_at": self.taken_at,
+            "workers": [asdict(r) for r in self.rows],
+            "router_migrations": self.routers,
+        }
 
 
 def _rate(now: Scrape, before: Scrape | None, key: str, scale: float = 1.0) -> float | None:
-    if (before is None or now.counters is None or before.counters is None
-            or before.record.epoch != now.record.epoch or key not in now.counters):
+    if (
+        before is None
+        or now.counters is None
+        or before.counters is None
+        or before.record.epoch != now.record.epoch
+        or key not in now.counters
+    ):
         return None
     elapsed = now.at - before.at
     delta = now.counters[key] - before.counters.get(key, 0.0)
@@ -133,12 +148,26 @@ def _rate(now: Scrape, before: Scrape | None, key: str, scale: float = 1.0) -> f
     return delta / elapsed / scale
 
 
-def make_row(now: Scrape, before: Scrape | None, migrations: Mapping[str, float] | None,
-             wall: float) -> Row:
+def make_row(
+    now: Scrape, before: Scrape | None, migrations: Mapping[str, float] | None, wall: float
+) -> Row:
     """`migrations`: per worker, from the routers' pages (None: no router was read)."""
     r, c = now.record, now.counters
-    row = Row(r.worker_id, r.role, r.host, r.address, r.epoch, r.load.waiting, r.load.running,
-              r.capacity, r.load.kv_usage, max(0.0, wall - r.updated), c is not None)
+    row = Row(
+        r.worker_id,
+        r.role,
+        r.host,
+        r.address,
+        r.epoch,
+        started_age_s(r.epoch, wall),
+        now.address,
+        r.load.waiting,
+        r.load.running,
+        r.capacity,
+        r.load.kv_usage,
+        max(0.0, wall - r.updated),
+        c is not None,
+    )
     row.prompt_tokens_per_s = _rate(now, before, "prompt_tokens")
     row.generation_tokens_per_s = _rate(now, before, "generation_tokens")
     row.kv_gbytes_per_s = _rate(now, before, "kv_bytes", 1e9)
@@ -152,8 +181,12 @@ def make_row(now: Scrape, before: Scrape | None, migrations: Mapping[str, float]
 class Fleet:
     """Takes snapshots of a running stack; keeps the previous scrape for rates."""
 
-    def __init__(self, registry: Registry, metrics_overrides: Mapping[str, str] | None = None,
-                 routers: Iterable[str] = ()) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        metrics_overrides: Mapping[str, str] | None = None,
+        routers: Iterable[str] = (),
+    ) -> None:
         self.registry = registry
         self.overrides = dict(metrics_overrides or {})
         self.routers = list(routers)
@@ -162,7 +195,9 @@ class Fleet:
     async def _scrape(self, record: WorkerRecord) -> Scrape:
         address = metrics_address(record, self.overrides)
         text = await asyncio.to_thread(fetch, address) if address else None
-        return Scrape(record, time.monotonic(), None if text is None else parse_metrics(text))
+        return Scrape(
+            record, address, time.monotonic(), None if text is None else parse_metrics(text)
+        )
 
     async def _router_migrations(self) -> tuple[dict[str, float | None], dict[str, float]]:
         pages = await asyncio.gather(*(asyncio.to_thread(fetch, a) for a in self.routers))
@@ -180,11 +215,11 @@ class Fleet:
     async def snapshot(self) -> Snapshot:
         records = await self.registry.workers()
         scrapes, (totals, migrations) = await asyncio.gather(
-            asyncio.gather(*(self._scrape(r) for r in records)), self._router_migrations())
+            asyncio.gather(*(self._scrape(r) for r in records)), self._router_migrations()
+        )
         wall = time.time()
         known = migrations if any(v is not None for v in totals.values()) else None
-        rows = [make_row(s, self._last.get(s.record.worker_id), known, wall)
-                for s in scrapes]
+        rows = [make_row(s, self._last.get(s.record.worker_id), known, wall) for s in scrapes]
         self._last = {s.record.worker_id: s for s in scrapes}
         rows.sort(key=lambda row: (row.role != "prefill", row.worker_id))
         return Snapshot(rows, totals, wall)

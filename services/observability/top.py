@@ -17,22 +17,42 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from services.observability.fleet import Fleet, Row, Snapshot
-from services.registry.local_stack import read_state
+from services.registry.local_stack import LocalStack, read_state
 from services.registry.redis_server import redact
 from services.registry.registry import Registry
+from services.registry.signing import SECRET_ENV, SECRET_FILE_ENV, RecordSigner, load_secret
 
-DESCRIPTION = ("A live view of a running stack, refreshed every --interval seconds: per worker "
-               "its role, host, restart epoch, queue, running requests, KV cache use (from "
-               "its record in Redis), prompt and generated tokens/s, KV GB/s received, "
-               "errors (failed KV transfers, requests vLLM ended with an error) and "
-               "migrations (from --router-metrics), from its Prometheus endpoint. Works "
-               "against `pdserve up` and, through port-forwards, a Helm release "
-               "(docs/observability.md).")
-COLUMNS = ("worker", "role", "host", "epoch", "queue", "running", "KV use", "in tok/s",
-           "out tok/s", "KV GB/s", "errors", "migrations", "heartbeat")
+DESCRIPTION = (
+    "A live view of a running stack, refreshed every --interval seconds: per worker "
+    "its role, host, metrics address, when it (re)started, queue, running "
+    "requests, KV cache use (from "
+    "its record in Redis), prompt and generated tokens/s, KV GB/s received, "
+    "errors (failed KV transfers, requests vLLM ended with an error) and "
+    "migrations (from --router-metrics), from its Prometheus endpoint. Works "
+    "against `pdserve up` and, through port-forwards, a Helm release "
+    "(docs/observability.md)."
+)
+COLUMNS = (
+    "worker",
+    "role",
+    "host",
+    "metrics",
+    "started",
+    "queue",
+    "running",
+    "KV use",
+    "in tok/s",
+    "out tok/s",
+    "KV GB/s",
+    "errors",
+    "migrations",
+    "heartbeat",
+)
+LEFT = ("worker", "role", "host", "metrics")
 
 
 def _num(value: float | int | None, digits: int = 0) -> str:
@@ -41,13 +61,42 @@ def _num(value: float | int | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
+def age(seconds: float) -> str:
+    """A duration as people read it: 42s, 12m05s, 3h04m, 2d03h."""
+    s = int(seconds)
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    if s < 86400:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 86400}d{s % 86400 // 3600:02d}h"
+
+
+def started(row: Row) -> str:
+    """When the worker (re)started, as an age; the raw epoch when it is no time (the
+    raw value is always in --json)."""
+    return str(row.epoch) if row.started_age_s is None else f"{age(row.started_age_s)} ago"
+
+
 def cells(row: Row) -> list[str]:
     """One worker's row as text (unknown figures as "-")."""
-    return [row.worker_id, row.role, row.host, str(row.epoch), str(row.queue),
-            f"{row.running}/{row.capacity}", f"{row.kv_usage * 100:.1f}%",
-            _num(row.prompt_tokens_per_s), _num(row.generation_tokens_per_s),
-            _num(row.kv_gbytes_per_s, 3), _num(row.errors), _num(row.migrations),
-            f"{row.heartbeat_age_s:.1f}s ago"]
+    return [
+        row.worker_id,
+        row.role,
+        row.host,
+        row.metrics_address or "-",
+        started(row),
+        str(row.queue),
+        f"{row.running}/{row.capacity}",
+        f"{row.kv_usage * 100:.1f}%",
+        _num(row.prompt_tokens_per_s),
+        _num(row.generation_tokens_per_s),
+        _num(row.kv_gbytes_per_s, 3),
+        _num(row.errors),
+        _num(row.migrations),
+        f"{row.heartbeat_age_s:.1f}s ago",
+    ]
 
 
 def render(snap: Snapshot, source: str, problem: str = "") -> Any:
@@ -55,11 +104,13 @@ def render(snap: Snapshot, source: str, problem: str = "") -> Any:
     from rich.table import Table
 
     when = time.strftime("%H:%M:%S", time.localtime(snap.taken_at))
-    table = Table(title=f"pdserve top: {len(snap.rows)} workers, {source}, {when}",
-                  title_justify="left", expand=False)
+    table = Table(
+        title=f"pdserve top: {len(snap.rows)} workers, {source}, {when}",
+        title_justify="left",
+        expand=False,
+    )
     for name in COLUMNS:
-        table.add_column(name, justify="left" if name in ("worker", "role", "host")
-                         else "right", no_wrap=True)
+        table.add_column(name, justify="left" if name in LEFT else "right", no_wrap=True)
     for row in snap.rows:
         style = "" if row.metrics else "dim"
         table.add_row(*cells(row), style=style)
@@ -67,8 +118,10 @@ def render(snap: Snapshot, source: str, problem: str = "") -> Any:
     if any(not r.metrics for r in snap.rows):
         notes.append("dim rows: metrics not reachable (Redis figures only; see --metrics)")
     for address, total in snap.routers.items():
-        notes.append(f"router {address}: " + ("metrics not reachable" if total is None
-                                              else f"{total:.0f} migrations"))
+        notes.append(
+            f"router {address}: "
+            + ("metrics not reachable" if total is None else f"{total:.0f} migrations")
+        )
     if problem:
         notes.append(problem)
     table.caption = "\n".join(notes) or None
@@ -76,15 +129,47 @@ def render(snap: Snapshot, source: str, problem: str = "") -> Any:
     return table
 
 
-def redis_url(given: str) -> str:
-    """--redis-url, else $PDSERVE_REDIS_URL, else the local `pdserve up` stack's."""
-    if given or os.environ.get("PDSERVE_REDIS_URL"):
-        return given or os.environ["PDSERVE_REDIS_URL"]
-    local = read_state()
-    if local is None:
-        raise RuntimeError("no local pdserve stack found (`pdserve up` writes where its "
-                           "Redis is); pass --redis-url")
-    return local.redis_url
+UNSIGNED_NOTE = (
+    "no cluster secret: records are read without checking their signatures "
+    f"(pass --cluster-secret-file, or set {SECRET_FILE_ENV} or {SECRET_ENV} to "
+    "the stack's secret)"
+)
+
+
+@dataclass(frozen=True)
+class Source:
+    """Which stack top reads, and how."""
+
+    redis_url: str
+    signer: RecordSigner
+    routers: list[str]  # router metrics endpoints
+    note: str = ""  # shown under the table (the signatures not checked)
+
+
+def source(args: argparse.Namespace) -> Source:
+    """--redis-url, else $PDSERVE_REDIS_URL, else the local `pdserve up` stack's Redis.
+    The cluster secret: --cluster-secret-file, else $PDSERVE_CLUSTER_SECRET(_FILE), else
+    the local stack's when its Redis is the one read. The routers: --router-metrics,
+    else the local stack's."""
+    local: LocalStack | None = read_state()
+    url = args.redis_url or os.environ.get("PDSERVE_REDIS_URL", "")
+    if not url:
+        if local is None:
+            raise RuntimeError(
+                "no local pdserve stack found (`pdserve up` writes where its "
+                "Redis is); pass --redis-url"
+            )
+        url = local.redis_url
+    mine = local if local is not None and local.redis_url == url else None
+    key = (
+        load_secret("", args.cluster_secret_file)
+        if args.cluster_secret_file
+        else load_secret(os.environ.get(SECRET_ENV, ""), os.environ.get(SECRET_FILE_ENV, ""))
+    )
+    if key is None and mine is not None and mine.cluster_secret:
+        key = mine.cluster_secret.encode()
+    routers = args.router_metrics or list(mine.router_metrics if mine else ())
+    return Source(url, RecordSigner(key), routers, "" if key else UNSIGNED_NOTE)
 
 
 def overrides(pairs: list[str]) -> dict[str, str]:
@@ -98,10 +183,12 @@ def overrides(pairs: list[str]) -> dict[str, str]:
 
 
 async def run(args: argparse.Namespace) -> int:
-    url = redis_url(args.redis_url)
-    registry = Registry.from_url(url, prefix=args.prefix)
-    fleet = Fleet(registry, overrides(args.metrics), args.router_metrics)
-    source = f"Redis {redact(url)}"
+    src = source(args)
+    registry = Registry.from_url(src.redis_url, signer=src.signer, prefix=args.prefix)
+    fleet = Fleet(registry, overrides(args.metrics), src.routers)
+    where = f"Redis {redact(src.redis_url)}"
+    if src.note and args.once and args.json:  # else it is under the table
+        print(f"note: {src.note}", file=sys.stderr)
     try:
         if args.once:
             await fleet.snapshot()  # rates need two scrapes, `interval` apart
@@ -113,15 +200,17 @@ async def run(args: argparse.Namespace) -> int:
                 from rich.console import Console
 
                 # Piped into a script or a file: the whole row, never cut to 80 columns.
-                Console(width=None if sys.stdout.isatty() else 240).print(render(snap, source))
+                Console(width=None if sys.stdout.isatty() else 260).print(
+                    render(snap, where, src.note)
+                )
             return 0
-        await live(fleet, source, args.interval)
+        await live(fleet, where, args.interval, src.note)
         return 0
     finally:
         await registry.close()
 
 
-async def live(fleet: Fleet, source: str, interval: float) -> None:
+async def live(fleet: Fleet, source: str, interval: float, note: str = "") -> None:
     """Redraw every `interval` seconds until Ctrl-C; a lost Redis is shown, not fatal."""
     from rich.console import Console
     from rich.live import Live
@@ -130,7 +219,7 @@ async def live(fleet: Fleet, source: str, interval: float) -> None:
     with Live(render(snap, source), console=Console(), auto_refresh=False) as view:
         while True:
             try:
-                snap, problem = await fleet.snapshot(), ""
+                snap, problem = await fleet.snapshot(), note
             except Exception as e:  # Redis away: keep the last rows, say why, retry
                 problem = f"registry not readable: {type(e).__name__}: {e}"
             view.update(render(snap, source, problem), refresh=True)
@@ -138,30 +227,60 @@ async def live(fleet: Fleet, source: str, interval: float) -> None:
 
 
 def flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--redis-url", default="", help="the stack's Redis (redis:// or "
-                   "rediss://, password in the URL); default: $PDSERVE_REDIS_URL, else the "
-                   "local `pdserve up` stack's. Signed records need the stack's "
-                   "PDSERVE_CLUSTER_SECRET(_FILE) in the environment")
-    p.add_argument("--interval", type=float, default=1.0, help="seconds between refreshes; "
-                   "with --once, between the two scrapes the rates come from (default 1)")
+    p.add_argument(
+        "--redis-url",
+        default="",
+        help="the stack's Redis (redis:// or "
+        "rediss://, password in the URL); default: $PDSERVE_REDIS_URL, else the "
+        "local `pdserve up` stack's",
+    )
+    p.add_argument(
+        "--cluster-secret-file",
+        default="",
+        help="the stack's cluster secret, "
+        "to check the records' signatures; default: $PDSERVE_CLUSTER_SECRET(_FILE), "
+        "else the local `pdserve up` stack's when its Redis is the one read",
+    )
+    p.add_argument(
+        "--interval",
+        type=float,
+        default=1.0,
+        help="seconds between refreshes; "
+        "with --once, between the two scrapes the rates come from (default 1)",
+    )
     p.add_argument("--once", action="store_true", help="print one snapshot and exit")
-    p.add_argument("--json", action="store_true", help="with --once: one JSON object "
-                   "(rates null when unknown) instead of a table")
-    p.add_argument("--metrics", action="append", default=[], metavar="WORKER=HOST:PORT",
-                   help="read this worker's metrics at HOST:PORT (a port-forward) instead of "
-                   "its registered address and metrics port (repeatable)")
-    p.add_argument("--router-metrics", action="append", default=[], metavar="HOST:PORT",
-                   help="a router's metrics endpoint: migrations per worker come from there "
-                   "(repeatable)")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="with --once: one JSON object (rates null when unknown) instead of a table",
+    )
+    p.add_argument(
+        "--metrics",
+        action="append",
+        default=[],
+        metavar="WORKER=HOST:PORT",
+        help="read this worker's metrics at HOST:PORT (a port-forward) instead of "
+        "its registered address and metrics port (repeatable)",
+    )
+    p.add_argument(
+        "--router-metrics",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a router's metrics endpoint: migrations per worker come from there "
+        "(repeatable); default: the local `pdserve up` stack's router",
+    )
     p.add_argument("--prefix", default="pdserve:", help="the registry's Redis key prefix")
 
 
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register `pdserve top` on the CLI's subparsers."""
     p = subparsers.add_parser(
-        "top", help="a live view of a running stack: per worker its role, host, epoch, "
+        "top",
+        help="a live view of a running stack: per worker its role, host, epoch, "
         "queue, running requests, KV usage, tokens/s, KV GB/s, errors and migrations",
-        description=DESCRIPTION)
+        description=DESCRIPTION,
+    )
     flags(p)
     p.set_defaults(func=main)
     return p

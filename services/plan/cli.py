@@ -10,6 +10,7 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +25,27 @@ from services.traffic.flags import (
 from services.traffic.slo import parse_slos
 
 DEFAULT_PROFILE = "bench-results/plan/profile.json"
+
+
+def shipped_profiles() -> dict[str, Path]:
+    """The profiles shipped in the package (``services/plan/profiles``), by name."""
+    folder = Path(str(resources.files("services.plan") / "profiles"))
+    return {p.stem: p for p in sorted(folder.glob("*.json"))}
+
+
+def profile_path(value: str) -> Path:
+    """--profile as a file, else as the name of a shipped profile; a missing one is a
+    ValueError that says how to get one."""
+    path = Path(value)
+    if path.is_file():
+        return path
+    shipped = shipped_profiles()
+    if value in shipped:
+        return shipped[value]
+    measure = "pdserve plan profile" + ("" if value == DEFAULT_PROFILE else f" --out {value}")
+    raise ValueError(f"no profile at {value}: measure this machine with `{measure}` (a few "
+                     f"minutes), or name a shipped profile with --profile "
+                     f"({', '.join(shipped) or 'none shipped'})")
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -92,7 +114,7 @@ def _predict(args: argparse.Namespace) -> int:
     from services.plan.predict import CLOSE_CALL, best_per_rate, close_calls, predict_all, rank
     from services.traffic.workload import load_tokenizer
 
-    profile = Profile.load(Path(args.profile))
+    profile = Profile.load(profile_path(args.profile))
     rates = list(args.rates)
     if any(math.isinf(r) for r in rates):
         raise ValueError("predictions need finite rates")
@@ -207,7 +229,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                           "are within the planner's error against real runs (BENCHMARKS.md, "
                           "\"Planner\"): measure them with `pdserve bench sweep` before "
                           "choosing.")
-    pred.add_argument("--profile", default=DEFAULT_PROFILE, help="profile JSON to use")
+    pred.add_argument("--profile", default=DEFAULT_PROFILE,
+                      help="profile JSON from `pdserve plan profile`, or the name of a shipped "
+                      f"profile ({', '.join(shipped_profiles())})")
     pred.add_argument("--units", type=int, default=0,
                       help="cores (or GPUs) to plan for (default: the profiled host's)")
     pred.add_argument("--engine-units", type=int, default=1,

@@ -1,6 +1,7 @@
 """The descriptor of a local `pdserve up` stack, kept in a file (mode 0600) so that
 `pdserve scale`, `pdserve down` and `pdserve top` on the same machine find the stack's
-Redis (with its password), its cluster secret and the folder of its own certificates.
+Redis (with its password), its cluster secret, the folder of its own certificates and
+where its routers' metrics are.
 
 The file is $PDSERVE_STATE_FILE, else up.json beside the models cache; `pdserve up`
 writes it once its Redis is ready and removes it when it stops.
@@ -26,6 +27,7 @@ class LocalStack:
     redis_url: str  # with the password
     cluster_secret: str = ""  # "" = records are not signed
     tls_dir: str = ""  # the stack's own certificates (`pdserve certs` layout); "" = none
+    router_metrics: tuple[str, ...] = ()  # routers' Prometheus endpoints known at start
 
 
 def state_path() -> Path:
@@ -47,7 +49,8 @@ def read_state() -> LocalStack | None:
         state = json.loads(state_path().read_text())
         return LocalStack(redis_url=str(state["redis_url"]),
                           cluster_secret=str(state.get("cluster_secret", "")),
-                          tls_dir=str(state.get("tls_dir", "")))
+                          tls_dir=str(state.get("tls_dir", "")),
+                          router_metrics=tuple(str(a) for a in state.get("router_metrics", ())))
     except (OSError, ValueError, KeyError, TypeError):
         return None
 

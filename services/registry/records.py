@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 ROLES = ("prefill", "decode")
-KV_TRANSPORTS = ("", "grpc", "torch")
+KV_TRANSPORTS = ("", "grpc", "torch", "nixl")
 
 
 class BadRecord(ValueError):
@@ -50,6 +50,10 @@ class WorkerRecord:
     kv_address: str = ""  # decode: where KV transfers are received
     kv_transport: str = ""
     metrics_port: int = 0  # Prometheus port on `host` of the address (0 = none)
+    # Where Prometheus scrapes this worker ("host:port"; "" = none, or an older writer:
+    # then the host of `address` with `metrics_port`). Its own field because the metrics
+    # port may bind another interface than the gRPC API (`metrics_host`).
+    metrics_address: str = ""
     capacity: int = 64  # most running sequences (max_num_seqs)
     model: str = ""  # served model name
     max_model_len: int = 0
@@ -74,6 +78,15 @@ class WorkerRecord:
         record = cls(**values)
         _check_values(record)
         return record
+
+    @property
+    def metrics_target(self) -> str:
+        """The worker's Prometheus endpoint as "host:port" ("" = it serves none)."""
+        if self.metrics_address:
+            return self.metrics_address
+        if not self.metrics_port:
+            return ""
+        return f"{self.address.rpartition(':')[0]}:{self.metrics_port}"
 
     @property
     def saturated(self) -> bool:
@@ -129,7 +142,7 @@ def _check_values(r: WorkerRecord) -> None:
         raise BadRecord("schema", f"unknown role {r.role[:40]!r}")
     if r.kv_transport not in KV_TRANSPORTS:
         raise BadRecord("schema", f"unknown kv_transport {r.kv_transport[:40]!r}")
-    for name in ("address", "kv_address"):
+    for name in ("address", "kv_address", "metrics_address"):
         value = getattr(r, name)
         if value or name == "address":
             _check_address(name, value)

@@ -2,8 +2,11 @@
 
 It is authenticated by default: a generated password (`requirepass`), given to
 redis-server in a config file of mode 0600 in a private folder (never on the command
-line, where `ps` would show it), and carried in the URL. With `tls=True` it serves TLS
-only (`rediss://`), with a certificate from a CA made for it.
+line, where `ps` would show it), and carried in the URL. redis-server reads that file
+once, at start, so the folder is removed as soon as the server answers: a process killed
+without cleaning up (SIGKILL) leaves no password on disk. With `tls=True` it serves TLS
+only (`rediss://`), with a certificate from a CA made for it; that folder (clients need
+its CA file) stays until `cleanup()`, or this process's exit.
 """
 
 from __future__ import annotations
@@ -14,10 +17,15 @@ import shutil
 import subprocess
 import tempfile
 import time
+import weakref
 from pathlib import Path
-from urllib.parse import quote, urlsplit, urlunsplit
+from urllib.parse import quote
 
+from services.security.redaction import redact_url
 from services.server.channels import free_port
+
+# `pdserve top` and `pdserve scale` mask URLs with this name.
+redact = redact_url
 
 
 def write_private(path: Path, text: str) -> None:
@@ -26,16 +34,6 @@ def write_private(path: Path, text: str) -> None:
     with os.fdopen(fd, "w") as f:
         os.fchmod(f.fileno(), 0o600)
         f.write(text)
-
-
-def redact(url: str) -> str:
-    """`url` with its password replaced, for logs and banners."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    host = parts.hostname or ""
-    netloc = f"{parts.username or ''}:***@{host}" + (f":{parts.port}" if parts.port else "")
-    return urlunsplit(parts._replace(netloc=netloc))
 
 
 class RedisServer:
@@ -47,8 +45,14 @@ class RedisServer:
         self.password = secrets.token_urlsafe(24) if password is None else password
         self.tls = tls
         self.proc: subprocess.Popen[bytes] | None = None
-        self.dir = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))  # mode 0700
+        self.dir = self._private_dir()
         self.ca_file = self.dir / "certs" / "public" / "ca.crt"
+
+    def _private_dir(self) -> Path:
+        """A new folder of mode 0700, removed at the latest when this process exits."""
+        path = Path(tempfile.mkdtemp(prefix="pdserve-redis-"))
+        weakref.finalize(self, shutil.rmtree, path, True)
+        return path
 
     @property
     def url(self) -> str:
@@ -62,8 +66,10 @@ class RedisServer:
         return self.proc is not None and self.proc.poll() is None
 
     def _config(self) -> Path:
+        if not self.dir.exists():  # removed after the last start: a new one
+            self.dir = self._private_dir()
         lines = ["bind 127.0.0.1", "protected-mode yes", 'save ""', "appendonly no",
-                 "daemonize no", "loglevel warning", f"dir {self.dir}"]
+                 "daemonize no", "loglevel warning", f"dir {tempfile.gettempdir()}"]
         if self.password:
             lines.append(f"requirepass {self.password}")
         if self.tls:
@@ -88,7 +94,10 @@ class RedisServer:
                                "apt-get install redis-server (or pass --redis-url)")
         self.proc = subprocess.Popen([binary, str(self._config())],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        if self.wait_ready(timeout):
+        ready = self.wait_ready(timeout)
+        if not self.tls:  # read once, at start: the password leaves the disk now
+            shutil.rmtree(self.dir, ignore_errors=True)
+        if ready:
             return self
         self.stop()
         raise RuntimeError(f"redis-server did not answer on port {self.port}")

@@ -37,8 +37,8 @@ TTFT = Histogram("pdserve_router_time_to_first_token_seconds", "router-side TTFT
 WORKER_REQUESTS = Counter("pdserve_router_worker_requests", "requests sent to each worker",
                           ["worker", "role"])
 MIGRATIONS = Counter("pdserve_migrations", "requests moved to another worker after the one "
-                     "serving them failed, by which worker and when",
-                     ["reason"])
+                     "serving them failed, by when (reason) and the worker that failed",
+                     ["reason", "worker"])
 E2E = Histogram("pdserve_router_e2e_request_latency_seconds", "router-side request latency",
                 buckets=(0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80))
 
@@ -121,7 +121,7 @@ class RouterMetrics(RequestListener):
         TTFT.observe(ttft_s, exemplar=exemplar)
 
     def moved(self, move: Move) -> None:
-        _child(MIGRATIONS, move.reason).inc()
+        _child(MIGRATIONS, move.reason, move.worker).inc()
 
     def ended(self, e2e_s: float, inflight: int | None) -> None:
         if inflight is not None:

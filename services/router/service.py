@@ -13,7 +13,9 @@ from services.registry.config import ClusterStateConfig
 from services.registry.registry import Registry
 from services.router.config import RouterConfig
 from services.router.router import RouterBackend
+from services.security import redaction
 from services.security.policy import internal_tls
+from services.security.redaction import redact_url
 from services.server.settings import ServerConfig
 
 log = logging.getLogger(__name__)
@@ -30,6 +32,7 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     if not config.redis_url:
         raise ValueError("the router needs --redis-url (or PDSERVE_REDIS_URL): workers "
                          "register there")
+    redaction.register_url(config.redis_url)  # masked in every log line of this process
     tracing.setup_from(server_cfg, "pdserve-router")
     model_path = resolve_model(config.router_model)
     tokenizer = AutoTokenizer.from_pretrained(str(model_path))
@@ -40,7 +43,7 @@ async def run_router(server_cfg: ServerConfig, config: RouterConfig,
     backend = RouterBackend(config, registry, tokenizer, str(model_path),
                             tls=internal_tls(server_cfg))
     try:
-        log.info("waiting for workers to register in %s", config.redis_url)
+        log.info("waiting for workers to register in %s", redact_url(config.redis_url))
         await backend.start()
         await serve_public(server_cfg, backend,
                            f"pdserve router ({config.policy}) serving {backend.facts.name}",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +17,12 @@ INTERNAL_FIELDS = ("internal_tls_ca_file", "internal_tls_cert_file", "internal_t
 
 
 class StackCertificates:
-    """A fresh development set in a 0700 temporary folder; `close()` removes it."""
+    """A fresh development set in a 0700 temporary folder; `close()` removes it, and so
+    does this process's exit, should a way out miss `close()`."""
 
     def __init__(self) -> None:
         self.directory = Path(tempfile.mkdtemp(prefix="pdserve-stack-tls-"))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.directory, True)
         certs.init(self.directory, certs.DEFAULT_HOSTS)
 
     def settings(self, role: str) -> dict[str, Any]:
@@ -29,7 +32,7 @@ class StackCertificates:
                         strict=True))
 
     def close(self) -> None:
-        shutil.rmtree(self.directory, ignore_errors=True)
+        self._remove()
 
 
 def has_internal_tls(server: Any) -> bool:

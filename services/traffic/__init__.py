@@ -12,4 +12,5 @@ simulates it) and the launcher's live planner (which replays what a stack served
 - ``latency``: one request's TTFT, TPOT, ITL and anatomy, from its record.
 - ``slo``: ``SLOs``, the latency bounds goodput counts against.
 - ``summary``: a run's summary over its records (latency statistics, throughput, goodput).
+- ``overload``: whether a run offered more load than the server served.
 """

@@ -29,16 +29,23 @@ def positive_rate(text: str) -> float:
     return value
 
 
-def add_workload_args(p: argparse.ArgumentParser) -> None:
-    """The "workload" group: which requests, with what lengths (``workload_config``)."""
+def add_workload_args(p: argparse.ArgumentParser, served: bool = False) -> None:
+    """The "workload" group: which requests, with what lengths (``workload_config``);
+    ``served``: a server is at hand to name its model, whose tokenizer is the default."""
     g = p.add_argument_group("workload")
     g.add_argument("--dataset", choices=DATASETS, default="random", help="request source")
     g.add_argument("--dataset-path", default=None,
                    help="ShareGPT JSON file, or prompts file (.txt one per line, .jsonl "
                    "with a 'prompt' field) (default: none)")
-    g.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
-                   help="local model folder whose tokenizer counts lengths; needed for "
-                   "sharegpt, prompts and --prompt-as text (default: none)")
+    if served:
+        g.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                       help="local model folder whose tokenizer draws and counts prompt "
+                       "tokens (default: the served model's, when the server names a local "
+                       "folder or a model `pdserve model prepare` wrote)")
+    else:
+        g.add_argument("--tokenizer", default=None, metavar="MODEL_DIR",
+                       help="local model folder whose tokenizer counts lengths; needed for "
+                       "sharegpt, prompts and --prompt-as text (default: none)")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="token id range for random prompts (default: the tokenizer's)")
     g.add_argument("--num-requests", type=int, default=None,

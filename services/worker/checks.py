@@ -12,7 +12,7 @@ from services import limits as model_limits
 from services.errors import IncompatiblePair, InvalidRequest
 from services.messages import Sampling
 
-KV_TRANSPORTS = ("grpc", "torch")  # network transports; shm is chosen by `same_host`
+KV_TRANSPORTS = ("grpc", "torch", "nixl")  # network transports; shm is chosen by `same_host`
 MAX_ID_CHARS = 128
 _ID = re.compile(r"^[A-Za-z0-9._:-]+$")
 _ADDRESS = re.compile(r"^(\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9._-]+):(\d{1,5})$")

@@ -19,9 +19,10 @@ class WorkerConfig(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="PDSERVE_", extra="ignore")
 
     worker_id: str = Field("", description="worker name; empty = <role>-<host>-<random>")
-    kv_transport: Literal["grpc", "torch"] = Field(
+    kv_transport: Literal["grpc", "torch", "nixl"] = Field(
         "grpc", description="decode: how KV arrives (grpc: any host; torch: torch.distributed "
-        "pair groups, gloo on CPU, NCCL on GPU)"
+        "pair groups, gloo on CPU, NCCL on GPU; nixl: NIXL one-sided writes over UCX into "
+        "memory registered once, needs the nixl package)"
     )
     kv_host: str = Field("127.0.0.1", description="decode: address the KV receiver binds to "
                          "(0.0.0.0 to take transfers from other hosts)")

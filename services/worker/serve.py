@@ -32,6 +32,16 @@ log = logging.getLogger(__name__)
 ENGINE_PROBE_S = 0.5  # how often the engine's liveness is checked
 
 
+def metrics_host(server_cfg: ServerConfig, advertised: str) -> str:
+    """The host Prometheus reaches this worker's metrics port at: the gRPC API's
+    advertised host when both bind the same interface (or every one), else the metrics
+    port's own bind address."""
+    bind = server_cfg.metrics_host
+    if not bind or bind == server_cfg.host or bind in ("0.0.0.0", "::"):
+        return advertised
+    return bind
+
+
 async def _watch_engine(worker: Worker, died: asyncio.Event, stop: asyncio.Event) -> None:
     while not worker.engine.dead:
         await asyncio.sleep(ENGINE_PROBE_S)
@@ -55,6 +65,7 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
         f"{role} worker") if config.redis_url else None
     # The KV transports serve and dial with this process's internal mTLS identity.
     worker = Worker.start(role, engine_cfg, config, tls=internal_tls(server_cfg))
+    await worker.engine.warm_up()  # before it serves: no user request pays first-use costs
     tracing.setup_from(server_cfg, f"pdserve-{role}", worker.identity.worker_id)
     # A prefill worker also answers Decode for whole requests (no transfer handle): with
     # the decode pool gone, the router sends it whole requests instead of refusing them.
@@ -87,9 +98,12 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
             on_ready(bound.port)
         if registry is None:
             return
-        address = f"{config.advertise_host or local_host(server_cfg.host)}:{bound.port}"
+        host = config.advertise_host or local_host(server_cfg.host)
+        metrics = (f"{metrics_host(server_cfg, host)}:{bound.metrics_port}"
+                   if bound.metrics_port else "")
         heartbeats.append(asyncio.create_task(heartbeat_forever(
-            registry, lambda: worker.record(address, bound.metrics_port), config.heartbeat_s)))
+            registry, lambda: worker.record(f"{host}:{bound.port}", bound.metrics_port,
+                                            metrics), config.heartbeat_s)))
 
     try:
         await serve(server_cfg, services, banner, Listener.internal(server_cfg),

@@ -110,7 +110,8 @@ class Worker:
                 address = f"{host}:{Path(port_file).read_text().strip()}"
         return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address)
 
-    def record(self, address: str, metrics_port: int = 0) -> WorkerRecord:
+    def record(self, address: str, metrics_port: int = 0,
+               metrics_address: str = "") -> WorkerRecord:
         """This worker as the registry shows it, with its current load."""
         facts = self.engine.facts
         llm = self.engine.llm
@@ -119,7 +120,7 @@ class Worker:
             host=socket.gethostname(), epoch=self.identity.epoch,
             fingerprint=self.fingerprint.digest(), kv_address=self.kv_address,
             kv_transport=self.config.kv_transport if self.identity.role == "decode" else "",
-            metrics_port=metrics_port,
+            metrics_port=metrics_port, metrics_address=metrics_address,
             capacity=self.engine.config.max_num_seqs, model=facts.name,
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),

@@ -1,15 +1,17 @@
 """The bench harness end to end: real runs over real sockets on 127.0.0.1 against the
-SIMULATED servers (gRPC and OpenAI SSE), each started as its own process."""
+SIMULATED servers (gRPC and OpenAI SSE), each started as its own process, and against a
+real disaggregated stack (vLLM engines, KV shipped over gRPC)."""
 
 from __future__ import annotations
 
+import asyncio
 import csv
 import json
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -17,6 +19,7 @@ import pytest
 
 from services.bench import cli
 from services.bench.report import read_records_jsonl
+from tests.helpers.servers import DisaggStack
 
 pytestmark = pytest.mark.timeout(120)
 ROOT = Path(__file__).resolve().parents[2]
@@ -189,7 +192,105 @@ def test_load_spread_over_ray_actors_is_one_run(tmp_path: Path) -> None:
         assert r.send_time - first == pytest.approx(r.scheduled_s - expected[0], abs=0.25)
 
 
+def test_a_served_model_without_a_local_tokenizer_asks_for_one(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with simulator() as port:  # serves a model named "simulated": no folder of that name
+        rc = cli.main(["bench", "run", "--address", f"127.0.0.1:{port}", "--num-requests", "1",
+                       "--no-progress", "--no-plots"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "serves model 'simulated'" in err and "pass --tokenizer MODEL_DIR" in err
+
+
 def test_generators_below_one_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
     rc = cli.main(["bench", "run", "--generators", "0", "--vocab-size", "10",
                    "--num-requests", "1", "--no-progress"])
     assert rc == 2 and "--generators must be >= 1" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+async def stack(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
+    """A disaggregated stack whose engine steps hold at most 256 prompt tokens, as
+    `pdserve up` bounds them on a CPU host: prompts that arrive together queue for the
+    prefill engine instead of being prefilled in one step."""
+    stack = DisaggStack.create(session_dir / "bench-disagg.log", "grpc", "--no-pin-scheduler",
+                               "--max-num-batched-tokens", "256")
+    stack.server.start()
+    try:
+        await stack.server.wait_ready(timeout=600)
+        yield stack
+    finally:
+        stack.server.stop()
+
+
+async def bench(*argv: str) -> tuple[int, str]:
+    """`pdserve bench ...` in a thread (it runs its own event loop); exit code and what
+    it printed."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+
+    def go() -> int:
+        with contextlib.redirect_stdout(out):
+            return cli.main(["bench", *argv, "--no-progress", "--no-plots"])
+
+    return await asyncio.to_thread(go), out.getvalue()
+
+
+@pytest.mark.engine
+@pytest.mark.timeout(900)
+async def test_a_light_run_on_a_real_stack(stack: DisaggStack, model_path: Path,
+                                           tmp_path: Path) -> None:
+    """No --tokenizer: the served model's. Distinct random prompts: no prefix-cache hit,
+    so `cached_tokens` is 0 although the decode engine received every prompt's KV. A
+    rate the stack keeps up with: no overload warning."""
+    out = tmp_path / "light"
+    rc, printed = await bench(
+        "run", "--address", stack.server.target, "--input-len", "64", "--output-len", "4",
+        "--rate", "2", "--arrival", "constant", "--num-requests", "10", "--seed", "11",
+        "--output-dir", str(out))
+    assert rc == 0, printed
+    assert "warning" not in printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["tokenizer"] == str(model_path)
+    assert summary["meta"]["model"] == model_path.name  # pdserve serves it by that name
+    assert summary["meta"]["label"] == "pdserve-random-64in-4out"
+    run = summary["runs"][0]
+    assert run["completed"] == 10 and not run["overload"]["overloaded"]
+    with (out / "requests.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == 10
+    assert all(int(r["server_kv_transfer_bytes"]) > 0 for r in rows)  # the KV was shipped
+    assert [int(r["cached_tokens"]) for r in rows] == [0] * 10
+
+
+@pytest.mark.engine
+async def test_the_openai_target_defaults_to_the_served_models_tokenizer(
+        stack: DisaggStack, model_path: Path, tmp_path: Path) -> None:
+    out = tmp_path / "openai"
+    rc, printed = await bench(
+        "run", "--target", "openai", "--base-url", stack.server.base_url,
+        "--input-len", "16", "--output-len", "2", "--num-requests", "2", "--seed", "12",
+        "--output-dir", str(out))
+    assert rc == 0, printed
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["tokenizer"] == str(model_path)
+    assert summary["runs"][0]["completed"] == 2
+
+
+@pytest.mark.engine
+async def test_a_rate_beyond_the_stack_warns(stack: DisaggStack, tmp_path: Path) -> None:
+    """Prompts arriving far faster than one prefill engine computes them: the backlog
+    grows over the run, and the run says so on the console and in summary.json."""
+    out = tmp_path / "heavy"
+    rc, printed = await bench(
+        "run", "--address", stack.server.target, "--input-len", "128", "--output-len", "2",
+        "--rate", "200", "--arrival", "constant", "--num-requests", "24", "--seed", "13",
+        "--output-dir", str(out))
+    assert rc == 0, printed
+    warnings = [line for line in printed.splitlines() if "warning" in line]
+    assert len(warnings) == 1, printed
+    assert warnings[0].strip().startswith("warning: the offered load exceeded")
+    overload = json.loads((out / "summary.json").read_text())["runs"][0]["overload"]
+    assert overload["overloaded"] and overload["served_share"] < 0.8

@@ -905,7 +905,7 @@ def test_kuberay_mode_renders_a_raycluster_the_launcher_can_fill() -> None:
     assert cluster["metadata"]["annotations"]["ray.io/overwrite-container-cmd"] == "true"
 
     # What the launcher's actors ask Ray for, per role.
-    wanted = {role: RayOptions.of(LauncherConfig(), role, f"{role}-0", "").kwargs()["resources"]
+    wanted = {role: RayOptions.of(LauncherConfig(), role, f"{role}-0").kwargs()["resources"]
               for role in ("prefill", "decode", "router")}
 
     def ray_resources(params: dict[str, str]) -> dict[str, int]:

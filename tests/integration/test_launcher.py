@@ -77,7 +77,7 @@ class Up:
     """A default `pdserve up --prefill 1 --decode 1`: its own redis-server (password),
     its own cluster secret; only ports and the state file are chosen by the test."""
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, *extra: str, env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.supervisor_port = free_port()
@@ -86,12 +86,13 @@ class Up:
         self.env = {k: v for k, v in os.environ.items()
                     if not k.startswith("PDSERVE_CLUSTER_SECRET")}
         self.env["PDSERVE_STATE_FILE"] = str(self.state_file)
+        self.env.update(env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "services.cli", "up", "--prefill", "1", "--decode", "1",
              "--port", str(self.port), "--metrics-port", str(self.metrics_port),
              "--kv-cache-gib", "1", "--worker-ttl-s", "3",
              "--supervisor-metrics-port", str(self.supervisor_port), "--grace-s", "120",
-             "--actor-probe-interval-s", "1", "--actor-probe-timeout-s", "3"],
+             "--actor-probe-interval-s", "1", "--actor-probe-timeout-s", "3", *extra],
             stdout=self.log.open("wb"), stderr=subprocess.STDOUT, start_new_session=True,
             env=self.env)
 

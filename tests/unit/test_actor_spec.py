@@ -17,7 +17,6 @@ from services.registry.local_stack import (
     remove_state,
     write_state,
 )
-from services.registry.signing import SECRET_ENV
 from services.router.config import RouterConfig
 from services.server.settings import ServerConfig
 from services.worker.config import WorkerConfig
@@ -30,16 +29,15 @@ def stack(**launcher: str) -> Stack:
 
 
 def test_ray_options_place_each_role_on_its_resource() -> None:
-    cpu = RayOptions.of(LauncherConfig(), "decode", "decode-1", secret="").kwargs()
+    cpu = RayOptions.of(LauncherConfig(), "decode", "decode-1").kwargs()
     assert cpu["name"] == "decode-1" and cpu["namespace"] == "pdserve"
     assert cpu["resources"] == {"pdserve_decode": 1} and cpu["num_cpus"] == 0
     assert "runtime_env" not in cpu and "num_gpus" not in cpu
-    gpu = RayOptions.of(LauncherConfig(prefill_accelerator="H100"), "prefill", "prefill-0",
-                        secret="s3cret").kwargs()
+    gpu = RayOptions.of(LauncherConfig(prefill_accelerator="H100"), "prefill",
+                        "prefill-0").kwargs()
     assert (gpu["num_gpus"], gpu["accelerator_type"]) == (1, "H100")
-    assert gpu["runtime_env"] == {"env_vars": {SECRET_ENV: "s3cret"}}
-    router = RayOptions.of(LauncherConfig(prefill_accelerator="H100"), "router", "router-0",
-                           secret="").kwargs()
+    router = RayOptions.of(LauncherConfig(prefill_accelerator="H100"), "router",
+                           "router-0").kwargs()
     assert router["resources"] == {"pdserve_router": 1} and router["num_cpus"] == 0
 
 

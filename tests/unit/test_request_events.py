@@ -154,7 +154,7 @@ def test_router_metrics_keep_their_names_and_labels() -> None:
              ("pdserve_router_worker_requests_total", {"worker": "p", "role": "prefill"}),
              ("pdserve_router_worker_requests_total", {"worker": "d", "role": "decode"}),
              ("pdserve_router_rejections_total", {"reason": "capacity"}),
-             ("pdserve_migrations_total", {"reason": "decode_mid_stream"}),
+             ("pdserve_migrations_total", {"reason": "decode_mid_stream", "worker": "d"}),
              ("pdserve_router_time_to_first_token_seconds_count", {}),
              ("pdserve_router_e2e_request_latency_seconds_count", {})]
     before = [sample(n, **labels) for n, labels in names]
