@@ -17,9 +17,9 @@ from redis.exceptions import AuthenticationError, RedisError
 from services.launcher.desired import DesiredState
 from services.registry.local_stack import read_state, state_path
 from services.registry.records import BadRecord
-from services.registry.redis_server import redact
 from services.registry.registry import redis_client
 from services.registry.signing import SECRET_ENV, SECRET_FILE_ENV, RecordSigner, load_secret
+from services.security.redaction import redact_url
 
 
 class LauncherError(RuntimeError):
@@ -51,7 +51,7 @@ async def set_desired(redis_url: str, update: dict[str, Any], secret_file: str =
     try:
         redis = redis_client(url, timeout_s=2.0)
     except ValueError as e:
-        raise LauncherError(f"not a Redis URL: {redact(url)} ({e})") from None
+        raise LauncherError(f"not a Redis URL: {redact_url(url)} ({e})") from None
     state = DesiredState(redis, signer)
     deadline = time.monotonic() + wait_s
     try:
@@ -62,20 +62,20 @@ async def set_desired(redis_url: str, update: dict[str, Any], secret_file: str =
                     want = current.updated(**update)
                     await state.write(want)
                     return {**want.sizes(), "down": want.down}
-                problem = (f"no pdserve stack's state in the Redis at {redact(url)}: start one "
+                problem = (f"no pdserve stack's state in the Redis at {redact_url(url)}: start one "
                            "with `pdserve up` (after a Redis restart it is back within seconds)")
             except AuthenticationError:
-                raise LauncherError(f"the Redis at {redact(url)} refused the password: pass "
+                raise LauncherError(f"the Redis at {redact_url(url)} refused the password: pass "
                                     "the stack's --redis-url with its password") from None
             except BadRecord as e:
                 if e.reason == "signature" and not signer.signs:
                     raise LauncherError(
                         "the stack signs its state: give its secret in "
                         f"{SECRET_ENV} or --cluster-secret-file") from None
-                raise LauncherError(f"the stack's state in {redact(url)} is not valid ({e}): "
+                raise LauncherError(f"the stack's state in {redact_url(url)} is not valid ({e}): "
                                     "is the cluster secret the stack's?") from None
             except (RedisError, OSError) as e:
-                problem = (f"cannot reach the stack's Redis at {redact(url)} "
+                problem = (f"cannot reach the stack's Redis at {redact_url(url)} "
                            f"({type(e).__name__}); if `pdserve up` runs, it restarts its "
                            "redis-server within seconds: try again")
             if time.monotonic() > deadline:

@@ -22,9 +22,9 @@ from typing import Any
 
 from services.observability.fleet import Fleet, Row, Snapshot
 from services.registry.local_stack import LocalStack, read_state
-from services.registry.redis_server import redact
 from services.registry.registry import Registry
 from services.registry.signing import SECRET_ENV, SECRET_FILE_ENV, RecordSigner, load_secret
+from services.security.redaction import redact_url
 
 DESCRIPTION = (
     "A live view of a running stack, refreshed every --interval seconds: per worker "
@@ -186,7 +186,7 @@ async def run(args: argparse.Namespace) -> int:
     src = source(args)
     registry = Registry.from_url(src.redis_url, signer=src.signer, prefix=args.prefix)
     fleet = Fleet(registry, overrides(args.metrics), src.routers)
-    where = f"Redis {redact(src.redis_url)}"
+    where = f"Redis {redact_url(src.redis_url)}"
     if src.note and args.once and args.json:  # else it is under the table
         print(f"note: {src.note}", file=sys.stderr)
     try:

@@ -113,8 +113,10 @@ def predict_all(configs: list[FleetConfig], profile: Profile, workload: Workload
     schedules = {r: schedule(workload, replace(arrivals, rate=r), num_requests, tokenizer)
                  for r in rates}
     jobs = [(c, r) for c in configs for r in rates]
-    out = [simulate(c, profile, *schedules[r], r, horizon, slos, also)
-           for c, r in tqdm(jobs, desc="simulating", disable=not progress, unit="run")]
+    # The bar is closed on the way out, an interrupt included: closed later by the garbage
+    # collector, it would redraw itself under the shell's next prompt.
+    with tqdm(jobs, desc="simulating", disable=not progress, unit="run") as bar:
+        out = [simulate(c, profile, *schedules[r], r, horizon, slos, also) for c, r in bar]
     return out, time.perf_counter() - t0
 
 

@@ -260,33 +260,33 @@ def run_profile(base: EngineConfig, grid: Grid, progress: bool = True) -> Profil
         # worker's KV connector: its per-step and per-layer hooks are part of a worker's
         # step time, which a bare engine would leave out.
         plan.append(("one", 1, replace_engine(base, cpu_cores=str(cores[0])), False))
-    bar = tqdm(total=grid.measurements() + len(plan), desc="profiling", unit="step",
-               disable=not progress)
+    # Closed on the way out, an interrupt included (see predict_all).
+    with tqdm(total=grid.measurements() + len(plan), desc="profiling", unit="step",
+              disable=not progress) as bar:
 
-    def tick(what: str) -> None:
-        bar.set_postfix_str(what)
-        bar.update(1)
+        def tick(what: str) -> None:
+            bar.set_postfix_str(what)
+            bar.update(1)
 
-    samples: list[dict[str, Any]] = []
-    facts: dict[str, Any] = {}
-    t0 = time.perf_counter()
-    for label, units, cfg, chunked in plan:
-        bar.set_postfix_str(f"starting the {label} engine")
-        got, f = asyncio.run(_measure_engine(cfg, label, units, grid, tick, chunked,
-                                             connector=label == "one"))
-        bar.update(1)
-        samples += got
-        if not chunked:
-            facts.setdefault("default", f)
-        facts[label] = f
-    model_path = resolve_model(base.model, base.resolved_dtype())
-    layout = _kv_layout(model_path)
-    dtype = base.resolved_dtype()
-    width = 2 if dtype in ("bfloat16", "float16") else 4
-    kv_per_token = 2 * layout["layers"] * layout["kv_heads"] * layout["head_dim"] * width
-    transports = measure_transports(grid.transports, layout, dtype, grid.transfer_blocks,
-                                    grid.transfer_rounds, tick)
-    bar.close()
+        samples: list[dict[str, Any]] = []
+        facts: dict[str, Any] = {}
+        t0 = time.perf_counter()
+        for label, units, cfg, chunked in plan:
+            bar.set_postfix_str(f"starting the {label} engine")
+            got, f = asyncio.run(_measure_engine(cfg, label, units, grid, tick, chunked,
+                                                 connector=label == "one"))
+            bar.update(1)
+            samples += got
+            if not chunked:
+                facts.setdefault("default", f)
+            facts[label] = f
+        model_path = resolve_model(base.model, base.resolved_dtype())
+        layout = _kv_layout(model_path)
+        dtype = base.resolved_dtype()
+        width = 2 if dtype in ("bfloat16", "float16") else 4
+        kv_per_token = 2 * layout["layers"] * layout["kv_heads"] * layout["head_dim"] * width
+        transports = measure_transports(grid.transports, layout, dtype, grid.transfer_blocks,
+                                        grid.transfer_rounds, tick)
     default = facts["default"]
     return refit(Profile(
         hardware=hardware(), versions=versions(), unit="gpu" if not cpu_only() else "core",

@@ -21,11 +21,7 @@ import weakref
 from pathlib import Path
 from urllib.parse import quote
 
-from services.security.redaction import redact_url
 from services.server.channels import free_port
-
-# `pdserve top` and `pdserve scale` mask URLs with this name.
-redact = redact_url
 
 
 def write_private(path: Path, text: str) -> None:
