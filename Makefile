@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 PROTOS := $(wildcard proto/pdserve/v1/*.proto)
 
-.PHONY: help setup system-deps proto model run test test-unit lint clean
+.PHONY: help setup system-deps proto model run test test-unit gpu-check lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -58,6 +58,9 @@ test: setup  ## the whole test suite (starts real vLLM engines, redis-server, gR
 
 test-unit: $(VENV)/.installed  ## fast tests of pure logic only
 	$(PY) -m pytest tests/unit
+
+gpu-check:  ## GPU machines: the gpu extra (.venv-gpu), then the GPU tests, one line each; CPU: says so
+	scripts/gpu_check.sh
 
 lint:  ## ruff + mypy on services/
 	$(VENV)/bin/ruff check services tests benchmarks

@@ -12,12 +12,15 @@ picks what the transports' senders compute. Both processes run with tcmalloc in 
 where it is installed, as pdserve's CPU engines (and so their KV receivers) do;
 `--allocator system` measures glibc's malloc.
 
-"nixl" WRITEs each layer with NIXL (UCX) into memory the receiver registered once; on
-one host UCX picks cross-process memory access where ptrace rules allow it, TCP
-otherwise (`UCX_TLS` in the environment chooses).
+"nixl" WRITEs each layer with NIXL (UCX) into memory the receiver registered once, from
+the region of the sender's registered arena the producer copies the layers into (that
+copy is the producer's own, made for every transport, and is not timed); on one host UCX
+picks cross-process memory access where ptrace rules allow it, TCP otherwise (`UCX_TLS`
+in the environment chooses).
 
 `--device cuda` (a GPU host) puts the layers in GPU memory and gives both ends the GPU
-as `ipc_device`, so "shm" runs device to device over CUDA IPC; the reference is then a
+(as `ipc_device` and `gpu`), so "shm" runs device to device over CUDA IPC and "nixl"
+registers GPU memory (VRAM) at both ends; the reference is then a
 device-to-device copy on that GPU, and the GPU digest (sum64) joins the checksum table.
 """
 
@@ -142,6 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         max_message_bytes=max(8 << 20, args.chunk_bytes + (1 << 20)),
         checksum=args.checksum,
         ipc_device=device if device != "cpu" else "",
+        gpu=device if device != "cpu" else "",
     )
 
     results: dict[str, Any] = {

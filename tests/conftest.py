@@ -109,3 +109,18 @@ def redis() -> Iterator[RedisServer]:
     server = RedisServer().start()
     yield server
     server.cleanup()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` are skipped, and say so, where no CUDA GPU is visible
+    (`make gpu-check` runs them on a GPU machine)."""
+    gpu = [item for item in items if item.get_closest_marker("gpu")]
+    if not gpu:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (`make gpu-check` on a GPU machine)")
+    for item in gpu:
+        item.add_marker(skip)

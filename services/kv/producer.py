@@ -5,7 +5,9 @@ Transport choice: a job whose receiver shares this host (`SaveJob.same_host`) go
 shared memory when shm is on here, else over the receiver's network transport. Every
 same-host transfer that ends up on the network is counted by reason (`fallbacks`, exported
 as `pdserve_kv_transport_fallbacks_total{reason}`) and each (peer, reason) is logged once:
-a silent fallback to TCP costs up to 100x on a GPU node."""
+a silent fallback to TCP costs up to 100x on a GPU node. So is every transfer a nixl
+sender hands to gRPC (its reasons: "receiver_refuses_nixl", "nixl_staging_full"; the
+nixl sender logs each (peer, reason) once)."""
 
 from __future__ import annotations
 
@@ -27,6 +29,7 @@ from services.kv.transport import (
     make_sender,
     make_shm_sender,
 )
+from services.kv.transport.nixl_sender import NixlKVSender
 from services.kv.transport.shm_sender import ShmKVSender
 from services.kv.transport.slab_pool import SlabPool
 
@@ -42,7 +45,9 @@ class _Sending:
     kind: str  # the sender it went to: a network kind, or "shm:<network kind>"
     layers_sent: int = 0
     slab: torch.Tensor | None = None  # pooled memory under `copies` (CPU caches)
-    copies: list[torch.Tensor] = field(default_factory=list)  # per layer, filled as computed
+    # Per layer, filled as computed: in the sender's own memory where it lends some
+    # (`KVSender.layer_memory`: NIXL's registered arena), else in `slab`.
+    copies: list[torch.Tensor] = field(default_factory=list)
 
 
 class Producer:
@@ -168,17 +173,23 @@ class Producer:
             receiver_fingerprint=job.decode_fingerprint,
         )
         sending = _Sending(job, time.monotonic(), self._route(job))
-        if kv_layer.device.type == "cpu":
-            step = spec.layer_nbytes
-            sending.slab = self._pool.get(spec.total_nbytes)
-            sending.copies = [
-                sending.slab[i * step : (i + 1) * step].view(spec.dtype).view(spec.layer_shape)
-                for i in range(spec.num_layers)
-            ]
         self._sending[job.transfer_id] = sending
         self._owned.add(job.req_id)
         sender = self._sender(sending.kind)
         sender.begin(job.kv_address, spec)
+        # Copies made in memory the sender lends are shipped from there without another
+        # copy (NIXL WRITEs straight from its registered arena).
+        memory = sender.layer_memory(job.transfer_id)
+        if memory is None or memory.device != kv_layer.device:
+            memory = None
+            if kv_layer.device.type == "cpu":
+                memory = sending.slab = self._pool.get(spec.total_nbytes)
+        if memory is not None:
+            step = spec.layer_nbytes
+            sending.copies = [
+                memory[i * step : (i + 1) * step].view(spec.dtype).view(spec.layer_shape)
+                for i in range(spec.num_layers)
+            ]
         if job.fault == FAULT_CORRUPT_CHUNK and self.allow_faults:
             sender.corrupt_after_checksum(job.transfer_id)
         return sending
@@ -191,6 +202,9 @@ class Producer:
                 for peer, reason, detail in sender.poll_fallbacks():
                     self._no_shm[peer] = reason  # later transfers there go straight out
                     self._fell_back(peer, reason, detail)
+            elif isinstance(sender, NixlKVSender):  # logged once there; counted here
+                for _, reason, _ in sender.poll_fallbacks():
+                    self.fallbacks[reason] += 1
         for sender in self._senders.values():
             for outcome in sender.poll_finished():
                 sending = self._sending.pop(outcome.transfer_id, None)
@@ -221,11 +235,12 @@ class Producer:
         return ready
 
     def _recycle(self, sending: _Sending) -> None:
-        """The transfer is over: its copies go back to the pool. A sender thread that
-        is still reading a failed transfer's copy only ever reads it, and what it reads
-        no longer matters."""
+        """The transfer is over: its copies go back to the pool (or stay with the sender
+        that lent their memory). A sender thread that is still reading a failed
+        transfer's copy only ever reads it, and what it reads no longer matters."""
+        sending.copies = []
         if sending.slab is not None:
-            slab, sending.slab, sending.copies = sending.slab, None, []
+            slab, sending.slab = sending.slab, None
             self._pool.put(slab)
 
     def close(self) -> None:

@@ -77,6 +77,7 @@ class KVSettings(Contract):
             checksum=self.checksum,
             shm=self.shm,
             ipc_device=gpu if self.shm and self.cuda_ipc else "",
+            gpu=gpu,
             header_timeout_s=self.header_timeout_s,
             tls_ca_file=self.tls_ca_file,
             tls_cert_file=self.tls_cert_file,

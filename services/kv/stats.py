@@ -4,9 +4,12 @@ and `FallbackMetrics.observe` adds them to a Prometheus counter there (the proce
 registry pdserve's metrics port serves).
 
 `pdserve_kv_transport_fallbacks_total{reason}` (plus vLLM's model_name/engine labels):
-same-host transfers that went over a network transport, by reason: "shm_disabled" (the
-prefill worker's `shm` key is false), "receiver_refuses_shm" (the decode worker does not
-serve shared memory), "shm_setup_failed" (its segment could not be mapped here).
+transfers that went over a slower transport than the one chosen for them, by reason.
+Same-host transfers that went over a network transport: "shm_disabled" (the prefill
+worker's `shm` key is false), "receiver_refuses_shm" (the decode worker does not serve
+shared memory), "shm_setup_failed" (its segment could not be mapped here). Transfers a
+nixl sender handed to gRPC: "receiver_refuses_nixl" (the decode worker does not serve
+NIXL), "nixl_staging_full" (no free region in its registered arena or the sender's).
 """
 
 from __future__ import annotations
@@ -53,7 +56,8 @@ class FallbackMetrics(KVConnectorPromMetrics):
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counter = self._counter_cls(
             name="pdserve_kv_transport_fallbacks",
-            documentation="same-host KV transfers that went over a network transport, by reason",
+            documentation="KV transfers that went over a slower transport than the one chosen "
+            "for them (same-host ones over the network, nixl ones over gRPC), by reason",
             labelnames=[*labelnames, "reason"],
         )
 

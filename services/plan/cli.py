@@ -241,7 +241,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     pred.add_argument("--thresholds", type=_ints, default=(128, 256, 512, 1024),
                       metavar="N,N", help="conditional disaggregation thresholds "
                       "(local_prefill_max_tokens)")
-    pred.add_argument("--transport", default="grpc", choices=["grpc", "torch"],
+    pred.add_argument("--transport", default="grpc", choices=["grpc", "torch", "nixl"],
                       help="KV transport of disaggregated configurations")
     add_workload_args(pred)
     add_arrival_args(pred, sweep=True)

@@ -107,7 +107,9 @@ class Fleet:
         self.config, self.profile = config, profile
         self.transport = same_host_transport(config, profile)
         if self.transport not in profile.transports and config.prefill is not None:
-            raise ValueError(f"the profile has no transport {self.transport!r}")
+            raise ValueError(f"the profile has no transport {self.transport!r}; profile it "
+                             "again with `pdserve plan profile` on a host where it runs, "
+                             f"or choose one of {', '.join(profile.transports)}")
         self.decodes = [self._engine(config.decode, f"decode{i}")
                         for i in range(config.decode.engines)]
         self.prefills = ([self._engine(config.prefill, f"prefill{i}")

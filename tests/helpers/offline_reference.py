@@ -17,7 +17,11 @@ def main() -> None:
     from vllm import LLM, SamplingParams
 
     prompts = json.loads(Path(prompts_path).read_text())
-    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0)
+    # A GPU check runs this beside the engines under test, on the same GPU.
+    share = os.environ.get("REFERENCE_GPU_MEMORY_UTILIZATION")
+    extra = {"gpu_memory_utilization": float(share)} if share else {}
+    llm = LLM(model=model, dtype="float32", max_model_len=2048, enforce_eager=True, seed=0,
+              **extra)
     params = SamplingParams(temperature=0.0, max_tokens=int(max_tokens))
     outs = llm.generate(prompts, params)
     result = [

@@ -1,6 +1,7 @@
 """`pdserve serve --mode disagg` when its decode worker dies mid-answer: every stream
 moves to the prefill worker (a full engine) and ends token-identical to colocated; new
-requests keep being served. Its own pair: the test kills a worker."""
+requests keep being served. Its own pair per KV transport (the test kills a worker): the
+default, and nixl with shared memory off, so that its KV really goes over NIXL."""
 
 from __future__ import annotations
 
@@ -22,9 +23,13 @@ from tests.helpers.streams import reference, streams_through
 pytestmark = pytest.mark.engine
 
 
-@pytest.fixture(scope="module")
-async def pair(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStack]:
-    async for stack in start_disagg(session_dir, "grpc"):
+TRANSPORTS = {"grpc": (), "nixl": ("--no-kv-shm",)}
+
+
+@pytest.fixture(scope="module", params=list(TRANSPORTS))
+async def pair(request: pytest.FixtureRequest, model_path: Path,
+               session_dir: Path) -> AsyncIterator[DisaggStack]:
+    async for stack in start_disagg(session_dir, request.param, *TRANSPORTS[request.param]):
         yield stack
 
 
@@ -52,3 +57,6 @@ async def test_decode_worker_killed_mid_stream(pair: DisaggStack, colocated: Ser
         r = await client.generate(token_ids=prompt_of_length(tokenizer, 30, salt="after"),
                                   temperature=0.0, max_tokens=4, ignore_eos=True)
     assert r.completion_tokens == 4 and time.monotonic() - started < 5
+    if "nixl" in pair.server.args:  # NIXL carried the KV: its agent came up, and no
+        log = pair.server.log_path.read_text(errors="replace")  # transfer went to gRPC
+        assert "Initialized NIXL agent" in log and "not NIXL" not in log

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -27,6 +28,8 @@ import grpc
 import pytest
 import torch
 
+from services.kv.metadata import PdserveConnectorMetadata, SaveJob
+from services.kv.producer import Producer
 from services.kv.transport import (
     ReceiveState,
     TransferOutcome,
@@ -42,9 +45,11 @@ from services.kv.transport.nixl_receiver import NixlKVReceiver
 from services.kv.transport.nixl_sender import NIXL, NixlKVSender
 from tests.integration.test_kv_transport import (
     CFG,
+    FP,
     LAYER_BYTES,
     LAYERS,
     RX_ID,
+    SHAPE,
     TX_ID,
     kv_layers,
     same_bits,
@@ -473,3 +478,129 @@ def test_a_receiver_without_nixl_gets_the_transfer_over_grpc() -> None:
     finally:
         tx.close()
         rx.close()
+
+
+# -- the producer's copies in registered memory, and fallbacks counted -------------------
+
+
+def test_layers_made_in_lent_memory_are_sent_from_there_and_others_are_copied() -> None:
+    """A layer handed over as a view of the region `layer_memory` lent is WRITten from
+    there; one from elsewhere is copied into that region first; both arrive bit-exact."""
+    rx = make_receiver("nixl", RX_ID, NCFG, "127.0.0.1", 0)
+    tx = make_sender("nixl", TX_ID, NCFG)
+    assert isinstance(tx, NixlKVSender)
+    try:
+        layers = kv_layers(32)
+        tx.begin(rx.address, spec_for("lent"))
+        memory = tx.layer_memory("lent")
+        assert memory is not None and tx.arena.owns(memory)
+        assert memory.numel() >= LAYERS * LAYER_BYTES
+        for i, layer in enumerate(layers):
+            if i % 2:  # from elsewhere
+                tx.send_layer("lent", i, layer)
+                continue
+            view = memory[i * LAYER_BYTES : (i + 1) * LAYER_BYTES].view(torch.float32)
+            view = view.view(layer.shape)
+            view.copy_(layer)
+            tx.send_layer("lent", i, view)
+        tx.end("lent")
+        [outcome] = outcomes_of(tx, "lent", 20)
+        assert outcome.ok, outcome
+        got = rx.take("lent")
+        assert got is not None and same_bits(got.layers, layers)
+        assert tx.layer_memory("lent") is None  # over: the region went back
+        sender_freed(tx)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def test_an_arena_too_small_for_a_whole_transfer_sends_layer_by_layer() -> None:
+    """No room to lend a whole transfer's region: each layer is copied into a one-layer
+    region and still goes over NIXL, not gRPC."""
+    small = dataclasses.replace(NCFG, pool_bytes=2 * LAYER_BYTES)  # < LAYERS layers
+    rx = make_receiver("nixl", RX_ID, NCFG, "127.0.0.1", 0)
+    tx = make_sender("nixl", TX_ID, small)
+    assert isinstance(tx, NixlKVSender)
+    try:
+        tx.begin(rx.address, spec_for("by-layer"))
+        assert tx.layer_memory("by-layer") is None
+        layers = kv_layers(33)
+        for i, layer in enumerate(layers):
+            tx.send_layer("by-layer", i, layer)
+        tx.end("by-layer")
+        [outcome] = outcomes_of(tx, "by-layer", 20)
+        assert outcome.ok, outcome
+        got = rx.take("by-layer")
+        assert got is not None and same_bits(got.layers, layers)
+        assert tx.poll_fallbacks() == []
+        sender_freed(tx)
+    finally:
+        tx.close()
+        rx.close()
+
+
+def kv_caches(seed: int, blocks: int = 5) -> dict[str, torch.Tensor]:
+    """A prefill engine's paged KV cache, one tensor per layer (vLLM's CPU layout)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        f"model.layers.{i}.self_attn.attn": torch.randn((blocks, *SHAPE[1:]), generator=g)
+        for i in range(LAYERS)
+    }
+
+
+def produce(
+    producer: Producer, caches: dict[str, torch.Tensor], address: str, req: str
+) -> None:
+    """One prefill's save path: every layer's blocks 3 and 1, then wait until the
+    producer reports the request's blocks free."""
+    job = SaveJob(req, req, address, "nixl", RX_ID.epoch, FP.digest(), [3, 1], 30)
+    meta = PdserveConnectorMetadata(saves=[job])
+    for name, kv in caches.items():
+        producer.save_kv_layer(meta, name, kv)
+    eventually(lambda: producer.get_finished({req}) == {req}, 20, f"{req} never finished")
+
+
+def test_the_producer_copies_into_registered_memory_and_counts_fallbacks(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Through the connector's producer: its copy of each layer's blocks is made in the
+    nixl sender's registered arena (the WRITE's source, no second copy), and a transfer
+    the sender hands to gRPC is counted by reason for `pdserve_kv_transport_fallbacks_total`
+    and logged once per receiver and reason."""
+    nixl_rx = make_receiver("nixl", RX_ID, NCFG, "127.0.0.1", 0)
+    grpc_rx = make_receiver("grpc", RX_ID, NCFG, "127.0.0.1", 0)
+    producer = Producer(TX_ID, NCFG, lease_s=30.0, allow_faults=False, shm=False)
+    caches = kv_caches(34)
+    producer.register_kv_caches(caches)
+    want = [kv[[3, 1]] for kv in caches.values()]
+    try:
+        job = SaveJob("r0", "r0", nixl_rx.address, "nixl", RX_ID.epoch, FP.digest(), [3, 1], 30)
+        meta = PdserveConnectorMetadata(saves=[job])
+        first, *rest = caches.items()
+        producer.save_kv_layer(meta, *first)
+        sender = producer._senders["nixl"]
+        assert isinstance(sender, NixlKVSender)
+        copies = producer._sending["r0"].copies
+        assert len(copies) == LAYERS and all(sender.arena.owns(c) for c in copies)
+        assert producer._sending["r0"].slab is None  # nothing from the producer's own pool
+        for name, kv in rest:
+            producer.save_kv_layer(meta, name, kv)
+        eventually(lambda: producer.get_finished({"r0"}) == {"r0"}, 20, "r0 never finished")
+        got = nixl_rx.take("r0")
+        assert got is not None and same_bits(got.layers, want)
+        assert producer.take_fallbacks() == {}
+
+        with caplog.at_level(logging.WARNING):
+            for req in ("r1", "r2"):
+                produce(producer, caches, grpc_rx.address, req)
+                got = grpc_rx.take(req)
+                assert got is not None and same_bits(got.layers, want)
+        assert producer.take_fallbacks() == {"receiver_refuses_nixl": 2}
+        assert producer.take_fallbacks() == {}
+        told = [r for r in caplog.records if "not NIXL" in r.getMessage()]
+        assert len(told) == 1 and grpc_rx.address in told[0].getMessage()
+    finally:
+        producer.close()
+        nixl_rx.close()
+        grpc_rx.close()

@@ -66,6 +66,9 @@ def test_the_transports_config_is_derived_from_the_settings() -> None:
     # CUDA IPC only with shm, and only when on
     assert settings(cuda_ipc=False).transport_config("cuda:1").ipc_device == ""
     assert settings(shm=False).transport_config("cuda:1").ipc_device == ""
+    # nixl's registered arena is on the worker's GPU whatever shm says; on a CPU, in DRAM
+    assert settings(shm=False).transport_config("cuda:1").gpu == "cuda:1"
+    assert settings().transport_config().gpu == ""
     assert not settings().transport_config().tls
 
 

@@ -127,3 +127,13 @@ def test_close_calls_are_the_configurations_within_the_planners_error_of_the_fir
     assert close_calls(ranking, margin=0.25) == ["b", "c"]
     assert close_calls([("a", 0.0, [0.0]), ("b", 0.0, [0.0])]) == []  # nothing serves: no call
     assert close_calls([]) == []
+
+
+def test_a_transport_the_profile_lacks_says_how_to_get_it() -> None:
+    # one disaggregated pair, on more cores than the profiled host: no shared memory
+    nixl = FleetConfig("disagg", PoolSpec(2, 1), PoolSpec(2, 1), transport="nixl")
+    with pytest.raises(ValueError, match=r"no transport 'nixl'.*pdserve plan profile.*grpc"):
+        Fleet(nixl, profile())
+    with_nixl = profile()
+    with_nixl.transports["nixl"] = Transport(3.0, 0.3)
+    assert Fleet(nixl, with_nixl).transport == "nixl"

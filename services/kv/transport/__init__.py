@@ -21,9 +21,12 @@ RDMA, TCP, or cross-process memory access on one host):
 
 * Each process has one NIXL agent (`nixl_agent.agent()`: UCX backend, no progress thread;
   UCX is driven by the threads that wait on it) and registers one arena with it at
-  start, `pool_bytes` large: the receiver's staging, which senders write into, and the
-  sender's source buffers. Host memory registers as DRAM, GPU memory as VRAM; that
-  choice, by the tensor's device, is the only difference between CPU and GPU.
+  start, `pool_bytes` large, on the worker's GPU (`TransportConfig.gpu`) or in host
+  memory: the receiver's staging, which senders write into, and the sender's source
+  buffers, which it lends to the producer (`KVSender.layer_memory`) so that the
+  producer's copy of each layer's blocks is the WRITE's source. Host memory registers as
+  DRAM, GPU memory as VRAM; that choice, by the tensor's device, is the only difference
+  between CPU and GPU.
 * Per transfer, the HEADER/SEGMENT exchange on the receiver's gRPC server (internal mTLS)
   hands the sender a region of the receiver's arena, its agent metadata and a fresh tag;
   the sender then WRITEs each layer as the engine hands it over, with a notification,
@@ -33,13 +36,12 @@ RDMA, TCP, or cross-process memory access on one host):
   pdserve, and a late WRITE of an abandoned transfer could land in a reused region (a
   failed transfer's regions are quarantined for a lease against that).
 * A transfer NIXL cannot take (a receiver without it, a full arena) goes over gRPC,
-  logged once per peer and reason. A process without the nixl package refuses to start
-  a nixl receiver or sender, saying what to install.
-* Not done yet: different tensor-parallel sizes on the two sides, a run on GPUs (VRAM
-  registration is written, never run), and vLLM's own NixlConnector: pdserve keeps one
-  connector (its contracts, fallbacks and metrics) and uses NIXL as a transport under
-  it; NixlConnector trades agent metadata on a side channel of its own
-  (`VLLM_NIXL_SIDE_CHANNEL_PORT`), outside internal mTLS.
+  logged once per peer and reason and counted in `pdserve_kv_transport_fallbacks_total`
+  (see `services.kv.stats`). A process without the nixl package refuses to start a nixl
+  receiver or sender, saying what to install.
+* Why NIXL is a transport under pdserve's one connector rather than vLLM's own
+  NixlConnector: docs/kv-transports.md. VRAM registration runs only on a GPU machine
+  (`make gpu-check`). Not done yet: different tensor-parallel sizes on the two sides.
 """
 
 from __future__ import annotations

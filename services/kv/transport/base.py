@@ -53,6 +53,15 @@ class KVSender(ABC):
     def poll_finished(self) -> list[TransferOutcome]:
         """Outcomes known since the previous call, each transfer exactly once."""
 
+    def layer_memory(self, transfer_id: str) -> torch.Tensor | None:
+        """Memory the sender reads a begun transfer's layers from without copying them:
+        flat bytes, `spec.total_nbytes` long, layer i at `i * spec.layer_nbytes`; None when
+        it has none. A caller that makes its private layer copies there, and hands over
+        views of exactly those slices, spares the sender its copy. The memory stays the
+        sender's: it takes it back once the transfer is over, so the caller must not use
+        it after the transfer's outcome (or its cancel)."""
+        return None
+
     def corrupt_after_checksum(self, transfer_id: str) -> None:
         """Fault injection for tests and drills: flip one payload byte of this transfer
         after its checksum was computed, so the receiver must catch it."""

@@ -174,7 +174,8 @@ class NixlKVReceiver(GrpcKVReceiver):
     ) -> None:
         self.agent = agent()  # raises NixlUnavailable with what to do
         self.arena = Arena(
-            self.agent, config.pool_bytes, torch.device(config.device), quarantine_s=config.lease_s
+            self.agent, config.pool_bytes, torch.device(config.gpu or "cpu"),
+            quarantine_s=config.lease_s,
         )
         super().__init__(identity, config, host, port)
         logger.info(

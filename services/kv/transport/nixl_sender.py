@@ -2,11 +2,18 @@
 
 Per transfer, one thread opens a Nixl stream to the receiver, which answers with a region
 of its registered arena and its agent's metadata (both only over that authenticated
-stream). For each layer the engine hands over, the thread copies the layer into a source
-region of this process's registered arena (the one copy in; registering every layer
-tensor instead would cost a registration per request), checksums it there, WRITEs it
-into the receiver's region with a notification, and once the WRITE is done announces the
-layer and its checksum on the stream. END is answered by the receiver's ACK.
+stream). For each layer the engine hands over, the thread checksums the layer in this
+process's registered arena, WRITEs it into the receiver's region with a notification,
+and once the WRITE is done announces the layer and its checksum on the stream. END is
+answered by the receiver's ACK. Layers the engine handed over faster than they are
+written are announced together (up to `ANNOUNCE_MAX` a frame): the receiver pays per
+control message, and one that verifies a few layers at a time keeps up with the WRITEs.
+
+The layers are in the registered arena already when the producer made its private copy
+of each layer's blocks there: `begin` reserves a region for the whole transfer and
+`layer_memory` lends it (registering the engine's per-request tensors instead would cost
+a registration per request). A layer handed over from elsewhere is copied into that
+region first; when the arena has no room for a whole transfer, into a one-layer region.
 
 A transfer that cannot start over NIXL (the receiver does not serve Nixl, its arena or
 this one is full) is handed to the `fallback` gRPC sender before any byte moved, so it is
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+import contextlib
 import logging
 import queue
 import threading
@@ -51,6 +59,7 @@ logger = logging.getLogger(__name__)
 NIXL = f"/{SERVICE}/Nixl"  # bidirectional control stream of a NIXL transfer
 REASON_REFUSED = "receiver_refuses_nixl"  # the receiver does not serve Nixl
 REASON_FULL = "nixl_staging_full"  # no free region in the receiver's or this arena
+ANNOUNCE_MAX = 8  # layers per LAYER frame, at most
 
 
 class _Fallback(Exception):
@@ -78,7 +87,9 @@ class NixlLink:
     items: queue.SimpleQueue[Item] = field(default_factory=queue.SimpleQueue)
     control: queue.SimpleQueue[bytes | None] = field(default_factory=queue.SimpleQueue)
     call: Any = None  # the Nixl stream (an iterator of replies with cancel())
-    source: torch.Tensor | None = None  # this transfer's region of the local arena
+    lent: torch.Tensor | None = None  # the whole transfer's region, lent by layer_memory
+    source: torch.Tensor | None = None  # else: a one-layer region, reused layer by layer
+    handed: bool = False  # being handed to the fallback: the producer may still write
 
 
 class NixlKVSender(SenderCore[NixlLink]):
@@ -88,7 +99,7 @@ class NixlKVSender(SenderCore[NixlLink]):
         super().__init__(identity, config)
         self.fallback = fallback
         self.agent = agent()  # raises NixlUnavailable with what to do
-        device = torch.device(config.ipc_device or "cpu")
+        device = torch.device(config.gpu or "cpu")
         self.arena = Arena(self.agent, config.pool_bytes, device, quarantine_s=config.lease_s)
         self._channels: dict[str, grpc.Channel] = {}
         self._mine_lock = threading.Lock()
@@ -110,9 +121,16 @@ class NixlKVSender(SenderCore[NixlLink]):
             out, self._fallbacks = self._fallbacks, []
         return out
 
+    def layer_memory(self, transfer_id: str) -> torch.Tensor | None:
+        out = self._get(transfer_id)
+        return None if out is None or out.link is None else out.link.lent
+
     # -- SenderCore hooks ----------------------------------------------------------------
     def _start(self, out: Outgoing[NixlLink]) -> None:
         out.link = NixlLink()
+        # No room for the whole transfer: its thread takes a one-layer region instead.
+        with contextlib.suppress(RuntimeError):
+            out.link.lent = self.arena.get(out.spec.total_nbytes)
         name = f"kv-nixl-{out.spec.transfer_id[:32]}"
         threading.Thread(target=self._run, args=(out,), name=name, daemon=True).start()
 
@@ -173,11 +191,12 @@ class NixlKVSender(SenderCore[NixlLink]):
             self.complete(out, False, f"sender error: {e}", 0)
         finally:
             link.control.put(None)
-            if link.source is not None:
-                if out.error is None and out.done:
-                    self.arena.put(link.source)
-                else:  # a WRITE from it may still be in flight
-                    self.arena.retire(link.source)
+            # After a failure a WRITE from a region may still be in flight, and the
+            # producer may still be copying later layers of a lent one.
+            clean = out.error is None and out.done and not link.handed
+            for region in (link.lent, link.source):
+                if region is not None:
+                    (self.arena.put if clean else self.arena.retire)(region)
             while True:  # give back the slots of layers never sent
                 try:
                     self.release_item(link.items.get_nowait())
@@ -185,11 +204,13 @@ class NixlKVSender(SenderCore[NixlLink]):
                     break
 
     def _setup(self, out: Outgoing[NixlLink], link: NixlLink) -> Target:
-        """Take a source region, open the stream, read the receiver's region."""
-        try:
-            link.source = self.arena.get(out.spec.layer_nbytes)
-        except RuntimeError as e:
-            raise _Fallback(REASON_FULL, f"sender: {e}") from None
+        """Take a source region (unless one was lent), open the stream, read the
+        receiver's region."""
+        if link.lent is None:
+            try:
+                link.source = self.arena.get(out.spec.layer_nbytes)
+            except RuntimeError as e:
+                raise _Fallback(REASON_FULL, f"sender: {e}") from None
         requests: Iterator[bytes] = iter(link.control.get, None)
         link.call = self._channel(out.peer).stream_stream(NIXL)(requests)
         out.last_progress = time.monotonic()
@@ -225,9 +246,7 @@ class NixlKVSender(SenderCore[NixlLink]):
 
     def _ship(self, out: Outgoing[NixlLink], link: NixlLink, target: Target) -> None:
         spec, step = out.spec, out.spec.layer_nbytes
-        assert link.source is not None
-        source = link.source[:step]
-        local = self.agent.descs([(source.data_ptr(), step, self.arena.device_id)], self.arena.mem)
+        written: list[list[int]] = []  # [layer, nbytes, checksum] not yet announced
         while True:
             out.phase = "waiting for layers"
             try:
@@ -242,6 +261,8 @@ class NixlKVSender(SenderCore[NixlLink]):
             out.last_progress = time.monotonic()
             if item == END_ITEM:
                 out.phase = "waiting for the receiver's ack"
+                if written:
+                    link.control.put(frames.encode_control(FrameKind.LAYER, {"layers": written}))
                 body = {"chunks": spec.num_layers, "nbytes": spec.total_nbytes}
                 link.control.put(frames.encode_control(FrameKind.END, body))
                 tid, ok, error, nbytes = frames.decode_ack(self._next_raw(out))
@@ -251,6 +272,11 @@ class NixlKVSender(SenderCore[NixlLink]):
                 return
             if not isinstance(item, LayerItem):
                 continue
+            if link.lent is not None:
+                source = link.lent[item.layer * step : (item.layer + 1) * step]
+            else:
+                assert link.source is not None
+                source = link.source[:step]
             try:
                 out.phase = f"writing layer {item.layer}"
                 value = self._copy_in(source, item, target)
@@ -264,6 +290,9 @@ class NixlKVSender(SenderCore[NixlLink]):
                 return
             finally:
                 self.release_item(item)
+            local = self.agent.descs(
+                [(source.data_ptr(), step, self.arena.device_id)], self.arena.mem
+            )
             remote = self.agent.descs(
                 [(target.addr + item.layer * step, step, target.device)], target.mem
             )
@@ -279,18 +308,28 @@ class NixlKVSender(SenderCore[NixlLink]):
                 self.fail(out, f"NIXL WRITE of layer {item.layer} to {target.agent}: {problem}")
                 return
             out.last_progress = time.monotonic()
-            announce: dict[str, Any] = {"layers": [[item.layer, step, value]]}
-            link.control.put(frames.encode_control(FrameKind.LAYER, announce))
+            written.append([item.layer, step, value])
+            if len(written) >= ANNOUNCE_MAX or link.items.empty():
+                link.control.put(frames.encode_control(FrameKind.LAYER, {"layers": written}))
+                written = []
 
     def _copy_in(self, source: torch.Tensor, item: LayerItem, target: Target) -> int:
-        """Copy a layer into the registered source region; its checksum over the copy."""
+        """Copy a layer into the registered source region, unless the producer made it
+        there; its checksum over the region."""
+        tensor = item.tensor
+        there = (
+            tensor.device == source.device
+            and tensor.data_ptr() == source.data_ptr()
+            and tensor.is_contiguous()
+        )
         if source.is_cuda:
             stream = torch.cuda.current_stream(source.device)
-            if item.event is not None:
+            if item.event is not None:  # orders the digest and WRITE after its producer
                 stream.wait_event(item.event)
-            source.copy_(item.tensor.reshape(-1).view(torch.uint8))
-        else:
-            source.copy_(host_tensor(item.tensor, item.event).reshape(-1).view(torch.uint8))
+            if not there:
+                source.copy_(tensor.reshape(-1).view(torch.uint8))
+        elif not there:
+            source.copy_(host_tensor(tensor, item.event).reshape(-1).view(torch.uint8))
         if target.device_digest or source.is_cuda:
             value = cuda_ipc.device_digest(source)  # synchronizes the copy's stream
         else:
@@ -299,7 +338,7 @@ class NixlKVSender(SenderCore[NixlLink]):
 
     def _hand_over(self, out: Outgoing[NixlLink], link: NixlLink, reason: str, detail: str) -> None:
         """Ship `out` over the fallback sender instead: forward every item to it."""
-        tid = out.spec.transfer_id
+        tid, link.handed = out.spec.transfer_id, True
         with self._mine_lock:
             self._fallbacks.append((out.peer, reason, detail))
             first = (out.peer, reason) not in self._logged
@@ -319,10 +358,17 @@ class NixlKVSender(SenderCore[NixlLink]):
             item = link.items.get()
             try:
                 if isinstance(item, LayerItem):
-                    self.fallback.send_layer(tid, item.layer, item.tensor)
+                    tensor = item.tensor
+                    if link.lent is not None and self.arena.owns(tensor):
+                        # the fallback may outlive the region (see `_run`)
+                        tensor = tensor.clone()
+                    self.fallback.send_layer(tid, item.layer, tensor)
                     continue
                 if item == END_ITEM:
                     self.fallback.end(tid)
+                    # Every layer is in, those from `lent` as clones: nothing reads or
+                    # writes the regions now, so they go back at once.
+                    link.handed = False
                 elif item == STOP_ITEM:
                     self.fallback.cancel(tid)
                 else:

@@ -102,6 +102,9 @@ class TransportConfig:
     # This worker's GPU ("cuda:N"), set where its engine runs on one: same-host transfers
     # between two such workers go device to device over CUDA IPC (see cuda_ipc.py).
     ipc_device: str = ""
+    # This worker's GPU ("cuda:N") where its engine runs on one, whatever shm says: the
+    # nixl transport registers its arena there (VRAM), else in host memory (DRAM).
+    gpu: str = ""
     header_timeout_s: float = 10.0  # receiver: a stream without its first frame by then ends
     # Internal mTLS (PEM files; all three or none): the receiver then requires a client
     # certificate from this CA, and senders check the receiver's for `pdserve.internal`.
