@@ -5,6 +5,10 @@ position when the labels differ (one run each: A's run against B's run). The tab
 Markdown, which reads as well in a terminal as in an issue or a PR. Runs of different
 workloads or SLOs are still compared, under a warning that lists what differs: their ratios
 measure the workloads as much as the servers.
+
+Runs repeated with ``--runs N`` carry confidence intervals: their cells show the median
+and the interval, and a last column says whether A's and B's intervals overlap (the
+difference is then within the runs' own spread) or lie apart.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from services.bench.report import read_records_jsonl, render_html
+from services.traffic.intervals import Interval
 from services.traffic.latency import ANATOMY_SEGMENTS
 from services.traffic.record import RequestRecord
 
@@ -57,6 +62,24 @@ _ARRIVAL_NAMES = {
 }
 
 
+# What a trace replay did to its trace (meta.trace), by path.
+_TRACE_NAMES = {
+    ("file",): "trace file", ("window", "start_s"): "trace window start (s)",
+    ("window", "duration_s"): "trace window length (s)",
+    ("window", "requests"): "trace requests replayed",
+    ("window", "conversations"): "trace conversations", ("speed",): "trace speed",
+    ("rate",): "trace replay rate (req/s)", ("lengths", "factor"): "trace length factor",
+    ("lengths", "max_model_len"): "trace lengths fitted to (tokens)",
+}
+
+
+def _path(doc: dict[str, Any], path: tuple[str, ...]) -> Any:
+    value: Any = doc
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
 def _show(value: Any) -> str:
     if isinstance(value, dict) and "mean" in value:  # a length distribution
         spread = value.get("spread") or 0
@@ -91,6 +114,11 @@ def differences(a: dict[str, Any], b: dict[str, Any]) -> list[str]:
         if wa[key] != wb[key]:
             lines.append(f"{_WORKLOAD_NAMES.get(key, key)}: A {_show(wa[key])}, "
                          f"B {_show(wb[key])}")
+    ta, tb = (doc.get("meta", {}).get("trace") or {} for doc in (a, b))
+    for trace_key, name in _TRACE_NAMES.items():
+        va, vb = _path(ta, trace_key), _path(tb, trace_key)
+        if (ta or tb) and va != vb:
+            lines.append(f"{name}: A {_show(va)}, B {_show(vb)}")
     for run_a, run_b in pair_runs(a, b):
         where = (f" ({run_a['label']} vs {run_b['label']})"
                  if len(a["runs"]) > 1 or len(b["runs"]) > 1 else "")
@@ -133,6 +161,26 @@ def _ratio(a: float | None, b: float | None, higher_better: bool) -> str:
     return f"x{ratio:.3f}" + (" (B better)" if better else "")
 
 
+def _interval(run: dict[str, Any], path: tuple[str, ...]) -> Interval | None:
+    data = (run.get("intervals") or {}).get(".".join(path))
+    return Interval.from_dict(data) if data else None
+
+
+def _with_interval(value: float | None, iv: Interval | None) -> str:
+    if iv is None:
+        return _cell(value)
+    return f"{_cell(iv.median)} [{_cell(iv.low)}, {_cell(iv.high)}]"
+
+
+def interval_verdict(ia: Interval | None, ib: Interval | None) -> str:
+    """Whether two runs' intervals of one metric overlap; "-" unless both have one."""
+    if ia is None or ib is None:
+        return "-"
+    if ia.overlaps(ib):
+        return "overlap"
+    return "apart: B higher" if ib.low > ia.high else "apart: B lower"
+
+
 def compare_table(a: dict[str, Any], b: dict[str, Any], a_name: str = "A",
                   b_name: str = "B") -> str:
     """Markdown tables, one per paired run, under a warning when the runs differ in
@@ -143,18 +191,28 @@ def compare_table(a: dict[str, Any], b: dict[str, Any], a_name: str = "A",
     if names:
         blocks.append("\n".join(names))
     for run_a, run_b in pair_runs(a, b):
-        lines = [f"### {run_a['label']} vs {run_b['label']}", "",
-                 f"| metric | {a_name} | {b_name} | B/A |", "| --- | ---: | ---: | ---: |"]
+        repeated = bool(run_a.get("intervals") or run_b.get("intervals"))
+        lines = [f"### {run_a['label']} vs {run_b['label']}", ""]
+        if repeated:
+            lines += [f"{name}: medians of {run.get('repeats', 1)} runs"
+                      + (f", {run['interval_method']}" if run.get("interval_method") else "")
+                      for name, run in ((a_name, run_a), (b_name, run_b))]
+            lines += ["", f"| metric | {a_name} | {b_name} | B/A | intervals |",
+                      "| --- | ---: | ---: | ---: | --- |"]
+        else:
+            lines += [f"| metric | {a_name} | {b_name} | B/A |", "| --- | ---: | ---: | ---: |"]
         for path, label, higher_better in ROWS:
             va, vb = _get(run_a, path), _get(run_b, path)
-            lines.append(f"| {label} | {_cell(va)} | {_cell(vb)} | "
-                         f"{_ratio(va, vb, higher_better)} |")
+            ia, ib = _interval(run_a, path), _interval(run_b, path)
+            line = (f"| {label} | {_with_interval(va, ia)} | {_with_interval(vb, ib)} | "
+                    f"{_ratio(va, vb, higher_better)} |")
+            lines.append(line + (f" {interval_verdict(ia, ib)} |" if repeated else ""))
         if run_a.get("anatomy") and run_b.get("anatomy"):
             for seg in ANATOMY_SEGMENTS:
                 va, vb = _get(run_a, ("anatomy", seg, "mean")), _get(run_b, ("anatomy", seg,
                                                                               "mean"))
                 lines.append(f"| anatomy {seg} mean (s) | {_cell(va)} | {_cell(vb)} | "
-                             f"{_ratio(va, vb, False)} |")
+                             f"{_ratio(va, vb, False)} |" + (" - |" if repeated else ""))
         blocks.append("\n".join(lines))
     if not pair_runs(a, b):
         blocks.append("(no runs to compare)")

@@ -8,6 +8,12 @@ Layout of an output folder::
     requests.csv    the same records, flat, with derived TTFT / TPOT / largest ITL
     plots/*.png     latency CDFs, latency and goodput vs rate, anatomy bars
     report.html     everything above in one self-contained page (PNGs inlined)
+
+A run repeated N times (``--runs N``) is one entry of ``runs``: each figure is the median
+over its repetitions (``errors``: totals; ``overload``: the first overloaded repetition's,
+with how many were), ``intervals`` holds the main metrics' medians with their confidence
+intervals (``services.traffic.intervals``), and ``repetitions`` each repetition's own
+summary. Its records keep their repetition's label (``<label>/run-<k>``).
 """
 
 from __future__ import annotations
@@ -18,11 +24,17 @@ import dataclasses
 import html
 import json
 import math
+from collections import Counter
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from services.bench.runner import RunResult
+from services.traffic.arrivals import TRACE
+from services.traffic.intervals import describe, interval
 from services.traffic.latency import ANATOMY_SEGMENTS, itls, tpot
 from services.traffic.overload import judge
 from services.traffic.record import RequestRecord, ServerTimings
@@ -35,6 +47,29 @@ SUMMARY_COLUMNS = [
 ]
 STAT_COLUMNS = [(m, s) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s")
                 for s in ("mean", "p50", "p90", "p99")]
+# Metrics a repeated run reports with a confidence interval, as paths in a run summary.
+INTERVAL_METRICS: list[tuple[str, ...]] = [
+    ("request_throughput",), ("output_token_throughput",), ("goodput",), ("goodput_share",),
+    *((m, s) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s") for s in ("p50", "p90", "p99",
+                                                                         "mean")),
+]
+# The intervals summary.csv and the console show.
+SHOWN_INTERVALS = ["request_throughput", "goodput", "ttft_s.p50", "ttft_s.p99", "tpot_s.p50",
+                   "itl_s.p99"]
+
+
+@dataclass(frozen=True, slots=True)
+class Repeats:
+    """How often each run is repeated and how its intervals are computed."""
+
+    runs: int = 1
+    level: float = 0.95
+    method: str = "t"
+
+    def __post_init__(self) -> None:
+        if self.runs < 1:
+            raise ValueError(f"--runs must be >= 1, got {self.runs}")
+        interval([0.0, 1.0], self.level, self.method)  # checks the level and the method
 
 
 def _json_safe(value: Any) -> Any:
@@ -56,8 +91,75 @@ def run_summary(result: RunResult, slos: SLOs) -> dict[str, Any]:
         "started_at": result.started_at,
         "wall_s": result.wall_s,
         **summarize(result.records, slos),
-        "overload": judge([r for r in result.records if not r.warmup]).as_dict(),
+        "overload": judge([r for r in result.records if not r.warmup],
+                          "lower --trace-rate or --speed" if result.arrivals.process == TRACE
+                          else "lower --rate").as_dict(),
     }
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+def _merge(values: list[Any]) -> Any:
+    """The median over repetitions of every number in their summaries (dicts merged key by
+    key); anything else is the first repetition's."""
+    present = [v for v in values if v is not None]
+    if not present:
+        return None
+    if all(isinstance(v, dict) for v in present):
+        keys = list(dict.fromkeys(k for v in present for k in v))
+        return {k: _merge([v.get(k) for v in present]) for k in keys}
+    if all(_is_number(v) for v in present):
+        median = float(np.median(np.asarray(present, dtype=float)))
+        if all(isinstance(v, int) for v in present) and median.is_integer():
+            return int(median)
+        return median
+    return present[0]
+
+
+def _path(summary: dict[str, Any], path: Sequence[str]) -> Any:
+    value: Any = summary
+    for key in path:
+        value = value.get(key) if isinstance(value, dict) else None
+    return value
+
+
+def repeated_summary(label: str, results: Sequence[RunResult], slos: SLOs,
+                     repeats: Repeats) -> dict[str, Any]:
+    """One summary for the repetitions of a run: medians, intervals, each repetition."""
+    per = [run_summary(r, slos) for r in results]
+    out: dict[str, Any] = _merge(per)
+    out["label"] = label
+    out["errors"] = dict(sum((Counter(s["errors"]) for s in per), Counter()).most_common())
+    overloaded = [s["overload"] for s in per if (s.get("overload") or {}).get("overloaded")]
+    out["overload"] = {**(overloaded[0] if overloaded else per[0]["overload"]),
+                       "runs_overloaded": len(overloaded)}
+    if overloaded and len(per) > 1:
+        out["overload"]["warning"] = (f"in {len(overloaded)} of {len(per)} runs: "
+                                      + overloaded[0].get("warning", ""))
+    out["repeats"] = len(per)
+    out["interval_method"] = describe(repeats.method, repeats.level)
+    out["intervals"] = {}
+    for path in INTERVAL_METRICS:
+        values = [_path(s, path) for s in per]
+        if all(_is_number(v) and math.isfinite(v) for v in values):
+            out["intervals"][".".join(path)] = interval(values, repeats.level,
+                                                        repeats.method).as_dict()
+    coverage = min((iv["coverage"] for iv in out["intervals"].values()), default=1.0)
+    if coverage < repeats.level:  # too few runs for the level: say what it covers
+        out["interval_method"] += (f" (with {len(per)} runs: the runs' whole range, "
+                                   f"which covers {coverage:.0%})")
+    out["repetitions"] = per
+    return out
+
+
+def group_results(results: Sequence[RunResult]) -> list[tuple[str, list[RunResult]]]:
+    """Repetitions of one run together (by ``group``), in the order they first ran."""
+    groups: dict[str | int, tuple[str, list[RunResult]]] = {}
+    for k, r in enumerate(results):  # a run that is no repetition stands alone
+        groups.setdefault(r.group or k, (r.group or r.label, []))[1].append(r)
+    return list(groups.values())
 
 
 def write_records_jsonl(path: Path, records: Iterable[RequestRecord]) -> None:
@@ -89,12 +191,20 @@ def write_requests_csv(path: Path, records: Iterable[RequestRecord]) -> None:
 
 
 def write_summary_csv(path: Path, summaries: Sequence[dict[str, Any]]) -> None:
+    """One row per run; with repetitions, the medians and the shown metrics' intervals."""
+    bounds = [f"{key.replace('.', '_')}_ci_{end}" for key in SHOWN_INTERVALS
+              for end in ("low", "high")]
     with path.open("w", newline="") as f:
         writer = csv.writer(f)
-        writer.writerow([*SUMMARY_COLUMNS, *(f"{m}_{s}" for m, s in STAT_COLUMNS), "errors"])
+        writer.writerow([*SUMMARY_COLUMNS, *(f"{m}_{s}" for m, s in STAT_COLUMNS), "errors",
+                         "runs", *bounds])
         for s in summaries:
+            intervals = s.get("intervals") or {}
             writer.writerow([*(s[c] for c in SUMMARY_COLUMNS),
-                             *(s[m][st] for m, st in STAT_COLUMNS), json.dumps(s["errors"])])
+                             *(s[m][st] for m, st in STAT_COLUMNS), json.dumps(s["errors"]),
+                             s.get("repeats", 1),
+                             *((intervals.get(key) or {}).get(end) for key in SHOWN_INTERVALS
+                               for end in ("low", "high"))])
 
 
 def _fmt(value: Any) -> str:
@@ -117,6 +227,19 @@ def _anatomy_table(summaries: Sequence[dict[str, Any]]) -> str:
     segments = list(ANATOMY_SEGMENTS)
     rows = [[s["label"], *(s["anatomy"][seg]["mean"] for seg in segments)] for s in runs]
     return "<p>Mean seconds per request.</p>" + _table(["run", *segments], rows)
+
+
+def _intervals_table(summaries: Sequence[dict[str, Any]]) -> str:
+    runs = [s for s in summaries if s.get("intervals")]
+    if not runs:
+        return ""
+    rows = [[s["label"], key, iv["median"], iv["low"], iv["high"], iv["coverage"], iv["n"]]
+            for s in runs for key, iv in s["intervals"].items()]
+    methods = sorted({s["interval_method"] for s in runs})
+    return (f"<h2>Repeated runs</h2><p>Medians over the runs with a {'; '.join(methods)} "
+            "(coverage: what the interval covers, below the level when there are too few "
+            "runs for it).</p>"
+            + _table(["run", "metric", "median", "low", "high", "coverage", "runs"], rows))
 
 
 def render_html(meta: dict[str, Any], summaries: Sequence[dict[str, Any]],
@@ -145,6 +268,7 @@ def render_html(meta: dict[str, Any], summaries: Sequence[dict[str, Any]],
             f"</title><style>{style}</style></head><body><h1>{title}</h1>"
             f"<h2>Setup</h2>{_table(['key', 'value'], meta_rows)}"
             f"<h2>Runs</h2>{warnings}{runs}<h2>Latency (seconds)</h2>{lat}"
+            f"{_intervals_table(summaries)}"
             f"<h2>Anatomy</h2>{_anatomy_table(summaries)}<h2>Plots</h2>{imgs}"
             f"</body></html>")
 
@@ -159,12 +283,18 @@ def text_summary(summary: dict[str, Any]) -> str:
 
     errors = f" errors {s['errors']}" if s["errors"] else ""
     warning = (s.get("overload") or {}).get("warning", "")
+    intervals = s.get("intervals") or {}
+    shown = [f"{key.replace('_s.', ' ').replace('_', ' ')} {_num(iv['median'])} "
+             f"[{_num(iv['low'])}, {_num(iv['high'])}]"
+             for key in SHOWN_INTERVALS if (iv := intervals.get(key))]
+    repeated = (f"\n  medians of {s['repeats']} runs, {s['interval_method']}:\n    "
+                + " | ".join(shown)) if shown else ""
     return (f"{s['label']}: {s['completed']} ok / {s['failed']} failed in "
             f"{s['duration_s']:.1f} s | {s['request_throughput']:.3g} req/s, "
             f"{s['output_token_throughput']:.4g} out tok/s | goodput {s['goodput']:.3g} req/s "
             f"({100 * s['goodput_share']:.0f}%){errors}\n  "
             + " | ".join(lat(m) for m in ("ttft_s", "tpot_s", "itl_s", "e2e_s")) + " (s)"
-            + (f"\n  {warning}" if warning else ""))
+            + repeated + (f"\n  {warning}" if warning else ""))
 
 
 def _num(value: float | None) -> str:
@@ -187,10 +317,15 @@ def draw_plots(out_dir: Path, runs: Sequence[tuple[str, Sequence[RequestRecord]]
 
 
 def write_report(out_dir: Path, results: Sequence[RunResult], slos: SLOs,
-                 meta: dict[str, Any], with_plots: bool = True) -> dict[str, Any]:
-    """Writes every output file for ``results``; returns the summary document."""
+                 meta: dict[str, Any], with_plots: bool = True,
+                 repeats: Repeats | None = None) -> dict[str, Any]:
+    """Writes every output file for ``results``; returns the summary document.
+    Repetitions of one run (``RunResult.group``) are summarised together."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    summaries = [run_summary(r, slos) for r in results]
+    repeats = repeats or Repeats()
+    groups = group_results(results)
+    summaries = [repeated_summary(label, rs, slos, repeats) if rs[0].group
+                 else run_summary(rs[0], slos) for label, rs in groups]
     document = _json_safe({"meta": meta, "runs": summaries})
     (out_dir / "summary.json").write_text(json.dumps(document, indent=2) + "\n")
     write_summary_csv(out_dir / "summary.csv", summaries)
@@ -199,6 +334,7 @@ def write_report(out_dir: Path, results: Sequence[RunResult], slos: SLOs,
     write_requests_csv(out_dir / "requests.csv", records)
     images: list[Path] = []
     if with_plots:
-        images = draw_plots(out_dir, [(r.label, r.records) for r in results], summaries)
+        images = draw_plots(out_dir, [(label, [rec for r in rs for rec in r.records])
+                                      for label, rs in groups], summaries)
     (out_dir / "report.html").write_text(render_html(meta, summaries, images))
     return dict(document)

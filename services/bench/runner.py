@@ -7,6 +7,12 @@ finished, or at ``duration_s + drain_timeout_s``, when the rest are cancelled (w
 aborts them server-side) and recorded as ``CANCELLED_BY_CLIENT``. Nothing here busy-waits:
 the loop sleeps until the next send.
 
+A replayed trace brings its own send times, and a later turn of a conversation names the
+request it follows (``RequestSpec.after``): it is sent at its time or, if later, when that
+request has finished (its record's ``scheduled_s`` is then that moment). Only turns sent
+by the same runner wait for each other: spread over several generators, a turn waits only
+for one its own generator sent.
+
 Records carry wall-clock send times and a generator id, so records from several
 load-generator processes can be concatenated and summarised as one run: a `Share` makes a
 runner send only every n-th request of the schedule (``distributed`` spreads a run over
@@ -29,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from services.bench.targets import ChunkEvent, Target, TargetError
-from services.traffic.arrivals import ArrivalConfig, send_offsets
+from services.traffic.arrivals import ArrivalConfig, schedule
 from services.traffic.latency import tpot
 from services.traffic.record import RequestRecord
 from services.traffic.request import RequestSpec
@@ -56,6 +62,7 @@ class RunResult:
     records: list[RequestRecord]
     started_at: float  # epoch seconds
     wall_s: float  # the run's length as the runner saw it, drain included
+    group: str = ""  # with --runs: the label of the repeated run this is one repetition of
 
 
 @dataclass(slots=True)
@@ -113,6 +120,7 @@ class _Run:
     cap: asyncio.Semaphore | None
     records: list[RequestRecord] = field(default_factory=list)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    finished: dict[int, asyncio.Event] = field(default_factory=dict)  # by request index
 
 
 class Runner:
@@ -143,7 +151,7 @@ class Runner:
         With a ``share``, only that share of the schedule is sent, from its start time;
         a concurrency cap is split evenly between the generators."""
         self.live = None
-        offsets = send_offsets(arrivals, num_requests or len(specs))
+        offsets = schedule(arrivals, specs, num_requests or len(specs))
         indices = np.arange(len(offsets))
         cap = arrivals.max_concurrency
         if share is not None:
@@ -202,6 +210,7 @@ class Runner:
                 warmup=run.arrivals.is_warmup(i, time.perf_counter() - run.t0),
                 generator=self.generator_id)
             run.records.append(rec)
+            run.finished[i] = asyncio.Event()
             run.live.running += 1
             run.tasks.append(asyncio.create_task(self._one(run, rec, spec)))
 
@@ -209,6 +218,12 @@ class Runner:
         start = time.perf_counter()
         rec.send_time = run.epoch0 + (start - run.t0)
         try:
+            previous = run.finished.get(spec.after) if spec.after is not None else None
+            if previous is not None and not previous.is_set():
+                await previous.wait()  # the conversation's earlier turn
+                start = time.perf_counter()
+                rec.scheduled_s = start - run.t0
+            rec.send_time = run.epoch0 + (start - run.t0)
             async for event in self.target.stream(spec, rec.request_id):
                 if isinstance(event, ChunkEvent):
                     rec.chunk_offsets.append(event.time - start)
@@ -231,6 +246,7 @@ class Runner:
         finally:
             if run.cap is not None:
                 run.cap.release()
+            run.finished[rec.index].set()
             run.live.finished(rec)
 
     @staticmethod

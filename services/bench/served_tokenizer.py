@@ -16,7 +16,7 @@ from pathlib import Path
 import aiohttp
 import grpc
 
-from services.bench.targets import Target
+from services.bench.targets import GrpcTarget, OpenAITarget, Target
 from services.engine.model import models_dir
 
 # What Hugging Face's AutoTokenizer reads a tokenizer from.
@@ -54,3 +54,22 @@ async def served_tokenizer(target: Target) -> tuple[str, Path]:
     finally:
         await target.close()
     return model, tokenizer_folder(model)
+
+
+async def served_max_model_len(target: GrpcTarget | OpenAITarget) -> int:
+    """The served model's context length, as the server states it; ValueError, saying
+    what to pass, when it cannot be asked or does not say."""
+    try:
+        await target.start()
+        await target.served_model()
+        length = await target.served_max_model_len()
+    except (aiohttp.ClientError, grpc.aio.AioRpcError, OSError) as exc:
+        detail = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else exc
+        raise ValueError(f"cannot ask the server for its model's context length ({detail}): "
+                         "start it first, or pass --max-model-len N") from None
+    finally:
+        await target.close()
+    if not length:
+        raise ValueError("the server does not state its model's context length: pass "
+                         "--max-model-len N")
+    return length

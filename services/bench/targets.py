@@ -139,6 +139,12 @@ class GrpcTarget:
             self.model = info.model
         return self.model
 
+    async def served_max_model_len(self) -> int | None:
+        """The served model's context (prompt + output tokens); after ``start``."""
+        info = await self._stubs[0].GetModelInfo(
+            generate_pb2.GetModelInfoRequest(), timeout=self.timeout_s, metadata=self.metadata)
+        return int(info.max_model_len) or None
+
     def _request(self, spec: RequestSpec, request_id: str) -> generate_pb2.GenerateRequest:
         sampling = generate_pb2.SamplingParams(
             max_tokens=spec.output_len, ignore_eos=True, temperature=0.0)
@@ -220,6 +226,18 @@ class OpenAITarget:
 
     async def served_model(self) -> str:
         return self.model  # `start` asked the server when none was given
+
+    async def served_max_model_len(self) -> int | None:
+        """The context the server lists for the model (vLLM's ``max_model_len`` in
+        ``GET /v1/models``), or None when it lists none; after ``start``."""
+        assert self._session is not None, "start() first"
+        async with self._session.get(f"{self.base_url}/v1/models") as resp:
+            resp.raise_for_status()
+            models = (await resp.json()).get("data") or []
+        for entry in models:
+            if entry.get("id") == self.model and entry.get("max_model_len"):
+                return int(entry["max_model_len"])
+        return None
 
     async def close(self) -> None:
         if self._session is not None:

@@ -5,17 +5,23 @@ seeded, testable without a clock, and the same for every target. Gaps between ar
 are gamma distributed with mean 1/rate and shape ``burstiness`` (1 is Poisson, below 1
 burstier, above 1 more even), as in ``vllm bench serve``; ``constant`` spaces them
 evenly. A linear ramp changes the rate over time by a time change of the unit-rate
-process, which keeps the process exact (no per-step rate approximation).
+process, which keeps the process exact (no per-step rate approximation). A replayed trace
+(process ``trace``) brings its own send times with its requests (``RequestSpec.at_s``);
+``rate`` then only records its mean rate.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from services.traffic.request import RequestSpec
+
 PROCESSES = ("poisson", "gamma", "constant")
+TRACE = "trace"  # the send times come with the requests: a replayed trace
 
 
 @dataclass(slots=True, frozen=True)
@@ -32,7 +38,7 @@ class ArrivalConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.process not in PROCESSES:
+        if self.process not in (*PROCESSES, TRACE):
             raise ValueError(f"unknown arrival process {self.process!r}")
         if not self.rate > 0:
             raise ValueError(f"rate must be > 0, got {self.rate}")
@@ -93,6 +99,20 @@ def send_offsets(cfg: ArrivalConfig, n: int) -> np.ndarray:
             offsets = work / cfg.rate
         else:
             offsets = _invert_ramp(work, cfg.ramp_from, cfg.rate, cfg.ramp_s)
+    if cfg.duration_s is not None:
+        offsets = offsets[offsets < cfg.duration_s]
+    return offsets
+
+
+def schedule(cfg: ArrivalConfig, specs: Sequence[RequestSpec], n: int) -> np.ndarray:
+    """Send times of up to ``n`` requests: ``send_offsets``, or for a replayed trace the
+    requests' own times (at most one per spec), cut at ``duration_s`` as well."""
+    if cfg.process != TRACE:
+        return send_offsets(cfg, n)
+    times = [spec.at_s for spec in specs[:n]]
+    if any(t is None for t in times):
+        raise ValueError("trace arrivals need every request's send time (at_s)")
+    offsets = np.asarray(times, dtype=float)
     if cfg.duration_s is not None:
         offsets = offsets[offsets < cfg.duration_s]
     return offsets

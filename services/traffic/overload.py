@@ -55,8 +55,9 @@ class Overload:
         return asdict(self)
 
 
-def judge(records: list[RequestRecord]) -> Overload:
-    """The verdict over a run's measured records (warm-up already left out)."""
+def judge(records: list[RequestRecord], remedy: str = "lower --rate") -> Overload:
+    """The verdict over a run's measured records (warm-up already left out); ``remedy``:
+    what the warning tells the user to turn down."""
     trend = _trend(records)
     queue = queue_share(records)
     parts = []
@@ -73,7 +74,7 @@ def judge(records: list[RequestRecord]) -> Overload:
         warning = (
             "warning: the offered load exceeded what the stack served: "
             + "; ".join(parts)
-            + ". The latencies measure the backlog: lower --rate or add workers."
+            + f". The latencies measure the backlog: {remedy} or add workers."
         )
     return Overload(
         overloaded=bool(parts),

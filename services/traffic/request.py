@@ -13,6 +13,11 @@ class RequestSpec:
     output_len: int  # max_tokens; sent with ignore_eos so the server produces exactly this
     kind: str = "random"  # workload tag ("chat", "long", "sharegpt", ...) for per-kind stats
     prompt_text: str = ""  # the same prompt as text, for servers that only take text
+    # A replayed trace's own schedule: the send time, seconds after the run's start
+    # (None: the run's arrival process decides), and the index of an earlier request of
+    # the same conversation that must have finished before this one is sent.
+    at_s: float | None = None
+    after: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids and not self.prompt_text:
