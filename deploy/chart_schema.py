@@ -32,12 +32,14 @@ MANAGED: dict[str, frozenset[str]] = {
                                "tls_client_ca_file", "allow_insecure",
                                "internal_tls_ca_file", "internal_tls_cert_file",
                                "internal_tls_key_file"}),
-    "EngineConfig": frozenset({"model"}),
+    # tensor_parallel_size: per role, from prefill/decode.tensorParallelSize (GPU count).
+    "EngineConfig": frozenset({"model", "tensor_parallel_size"}),
     "WorkerConfig": frozenset({"worker_id", "redis_url", "advertise_host", "kv_host",
                                "kv_advertise_host", "kv_port"}),
     "RouterConfig": frozenset({"redis_url", "router_model"}),
     # stack_tls: the chart mounts certificates, `pdserve up` makes none.
-    "LauncherConfig": frozenset({"prefill", "decode", "ray_address", "stack_tls"}),
+    "LauncherConfig": frozenset({"prefill", "decode", "ray_address", "stack_tls",
+                                 "prefill_tp", "decode_tp"}),
     # the cluster secret's file, mounted from the chart's Secret (values.security).
     "ClusterStateConfig": frozenset({"cluster_secret", "cluster_secret_file",
                                      "allow_unsigned_records"}),

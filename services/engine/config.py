@@ -52,6 +52,32 @@ def split_cores(prefill_cores: str = "", decode_cores: str = "") -> tuple[str, s
     return prefill, decode
 
 
+def rank_core_groups(cores: list[int], ranks: int) -> list[list[int]]:
+    """One group of cores per tensor-parallel rank: `cores` split into `ranks` contiguous
+    groups, the first ones a core larger when they do not divide evenly. With fewer cores
+    than ranks, ranks share them round-robin (oversubscribed: correct, but each rank
+    waits for the others on its core)."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be >= 1, got {ranks}")
+    if not cores:
+        raise ValueError("no cores to bind ranks to")
+    if len(cores) < ranks:
+        return [[cores[r % len(cores)]] for r in range(ranks)]
+    size, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        end = start + size + (1 if r < extra else 0)
+        groups.append(cores[start:end])
+        start = end
+    return groups
+
+
+def omp_threads_bind(cores: list[int], ranks: int) -> str:
+    """vLLM's VLLM_CPU_OMP_THREADS_BIND for `ranks` ranks on `cores`: one core list per
+    rank, separated by "|" (vLLM's own "auto" binding wants one NUMA node per rank)."""
+    return "|".join(format_cores(g) for g in rank_core_groups(sorted(cores), ranks))
+
+
 def find_tcmalloc() -> str | None:
     """The soname of the system's tcmalloc (Debian: libtcmalloc-minimal4), if installed.
 
@@ -110,9 +136,17 @@ class EngineConfig(BaseSettings):
     )
     cpu_cores: str = Field(
         "",
-        description="CPU: cores the engine's model worker is pinned to, e.g. '0' or '0-1' "
-        "(VLLM_CPU_OMP_THREADS_BIND); empty = all cores this process may use",
+        description="CPU: cores the engine's model workers are pinned to, e.g. '0' or '0-1' "
+        "(VLLM_CPU_OMP_THREADS_BIND), split into one group per tensor-parallel rank; "
+        "empty = all cores this process may use",
     )
+    tensor_parallel_size: int = Field(
+        1, ge=1, description="ranks the model's weights and KV heads are split over "
+        "(vLLM's tensor parallelism); GPU: one device per rank; CPU: cpu_cores split into "
+        "one group per rank, each bound to its group")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, description="pipeline stages; pdserve supports only 1 (use "
+        "tensor_parallel_size to spread a model over devices)", json_schema_extra=ADVANCED)
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
     max_queued_requests: int = Field(
         256, ge=0, description="requests waiting for their first token in this engine; "
@@ -164,6 +198,9 @@ class EngineConfig(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline parallelism is not supported (pipeline_parallel_size "
+                             "must be 1): split the model with tensor_parallel_size instead")
         if self.cpu_cores:
             try:
                 parse_cores(self.cpu_cores)
@@ -187,13 +224,18 @@ class EngineConfig(BaseSettings):
         # engines on one small host, puts both on the same core.
         return self.cpu_cores or format_cores(available_cores())
 
+    def threads_bind(self) -> str:
+        """The model workers' binding: the engine's cores, one group per rank."""
+        return omp_threads_bind(sorted(parse_cores(self.resolved_cores())),
+                                self.tensor_parallel_size)
+
     def vllm_env(self) -> dict[str, str]:
         """Environment the engine's child processes must see (read when they spawn)."""
         if not cpu_only():
             return {}
         return {
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": self.resolved_cores(),
+            "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind(),
             # Our connector runs no extra threads that need a core held back for them.
             "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
             "LD_PRELOAD": preload_allocator(self.allocator, os.environ.get("LD_PRELOAD", "")),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.engine.config import EngineConfig, split_cores
-from services.launcher.settings import LOOPBACK, LauncherConfig, Stack
+from services.launcher.settings import LOOPBACK, LauncherConfig, Stack, role_engine, role_tp
 from services.observability.logs import quiet_env
 from services.router.config import RouterConfig
 from services.security.stack import StackCertificates
@@ -30,33 +30,71 @@ class RayOptions:
 
     name: str  # the actor's name in the namespace, e.g. decode-1
     role: str  # prefill, decode or router: the custom resource it takes
-    accelerator: str = ""  # a Ray accelerator type: one GPU of it; "" = a CPU actor
+    accelerator: str = ""  # a Ray accelerator type: one GPU of it per rank; "" = CPU actor
     env: tuple[tuple[str, str], ...] = ()  # more environment variables of the actor
+    ranks: int = 1  # tensor-parallel ranks of a worker: GPUs it takes
 
     @classmethod
-    def of(cls, launcher: LauncherConfig, role: str, name: str) -> RayOptions:
+    def of(cls, launcher: LauncherConfig, role: str, name: str, ranks: int = 1) -> RayOptions:
         accelerator = {"prefill": launcher.prefill_accelerator,
                        "decode": launcher.decode_accelerator}.get(role, "")
-        return cls(name, role, accelerator)
+        return cls(name, role, accelerator, ranks=ranks)
+
+    @property
+    def role_resource(self) -> dict[str, float]:
+        return {f"pdserve_{self.role}": 1}
+
+    def bundles(self) -> list[dict[str, float]]:
+        """A GPU worker of several ranks is one actor in a placement group of one bundle
+        per rank, packed on one node: vLLM, started inside it, finds the group and puts
+        one rank on each bundle's GPU. The first bundle also holds the actor's own role
+        resource. Empty: no placement group (CPU workers, whose ranks are bound to the
+        cores their settings give, and one-GPU workers)."""
+        if not self.accelerator or self.ranks == 1:
+            return []
+        gpu = {"GPU": 1.0, f"accelerator_type:{self.accelerator}": 0.001}
+        return [{**gpu, **self.role_resource}, *([gpu] * (self.ranks - 1))]
 
     def kwargs(self) -> dict[str, Any]:
-        """The options as `ActorClass.options(**kwargs)` takes them."""
+        """The options as `ActorClass.options(**kwargs)` takes them (a placement group's
+        scheduling strategy is added by whoever creates the group, see `bundles`)."""
         options: dict[str, Any] = {
             "name": self.name, "namespace": NAMESPACE, "max_restarts": -1,
             "max_task_retries": 0, "max_concurrency": 64,
-            "resources": {f"pdserve_{self.role}": 1},
+            "resources": self.role_resource,
         }
         if self.env:
             # Never a secret: Ray's runtime-env agent logs these (the cluster secret
             # travels in the actor's arguments, `WorkerArgs.secret`).
             options["runtime_env"] = {"env_vars": dict(self.env)}
-        if self.accelerator:
+        if self.bundles():
+            # The ranks' GPUs are the group's; the actor itself takes none of them.
+            options.update(num_gpus=0, num_cpus=0)
+        elif self.accelerator:
             options.update(num_gpus=1, accelerator_type=self.accelerator)
         else:
-            # CPU: vLLM pins its worker to the role's cores; Ray's CPU accounting would only
-            # keep three engines off a two-core machine.
+            # CPU: vLLM pins its workers to the role's cores; Ray's CPU accounting would
+            # only keep three engines off a two-core machine.
             options["num_cpus"] = 0
         return options
+
+
+def ray_options(options: RayOptions) -> tuple[dict[str, Any], Any]:
+    """`options.kwargs()`, and for a worker of several GPUs a new placement group of its
+    bundles (`RayOptions.bundles`) with the actor scheduled into its first bundle; the
+    group is returned too (None for none), for whoever ends the actor to remove it."""
+    kwargs = options.kwargs()
+    bundles = options.bundles()
+    if not bundles:
+        return kwargs, None
+    from ray.util import placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = placement_group(bundles, strategy="STRICT_PACK")  # TP ranks on one node
+    # Child tasks (vLLM's rank workers) land in the group's bundles too.
+    kwargs["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=0, placement_group_capture_child_tasks=True)
+    return kwargs, group
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,7 +146,8 @@ class ActorSpecs:
 
     def spec(self, role: str, index: int) -> ActorSpec:
         """The actor `index` of `role` (prefill, decode or router)."""
-        options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}")
+        ranks = role_tp(self.stack.launcher, self.stack.engine, role) if role in ROLES else 1
+        options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}", ranks)
         # How the actor and its engine processes log (services/observability/logs.py).
         options = replace(options, env=tuple(quiet_env(self.stack.log_level).items()))
         if role == "router":
@@ -137,7 +176,7 @@ class ActorSpecs:
         lc = self.stack.launcher
         cores = dict(zip(ROLES, split_cores(lc.prefill_cores, lc.decode_cores),
                          strict=True))[role]
-        engine = self.stack.engine.model_copy(update={"cpu_cores": cores})
+        engine = role_engine(lc, self.stack.engine, role, cores)
         update: dict[str, Any] = {"redis_url": self.redis_url, "worker_id": f"{role}-{index}"}
         if self.local_cluster:
             update["kv_host"] = LOOPBACK

@@ -23,7 +23,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.api.public import serve_public
 from services.engine.config import EngineConfig, split_cores
 from services.engine.model import resolve_model
-from services.launcher.settings import LauncherConfig
+from services.kv.tp_layout import LayoutRefused, kv_workers_tp_problem
+from services.launcher.placement import ranks_warning
+from services.launcher.settings import LauncherConfig, role_tp
 from services.observability import tracing
 from services.router.config import RouterConfig
 from services.router.orchestrator import check_pair
@@ -43,7 +45,7 @@ ERROR_LINE = re.compile(r"\b\w*(Error|Exception): ")
 # pool each), and the placement settings `pdserve up` shares.
 PAIR_ROUTER_FIELDS = ("policy", "local_prefill_max_tokens", "prefill_max_queued_tokens",
                       "max_inflight", "client_max_inflight", "retry_after_ms")
-PAIR_PLACEMENT_FIELDS = ("prefill_cores", "decode_cores")
+PAIR_PLACEMENT_FIELDS = ("prefill_cores", "decode_cores", "prefill_tp", "decode_tp")
 
 
 class LocalPairConfig(BaseSettings):
@@ -173,22 +175,32 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
     router_cfg = from_arguments(RouterConfig, args)
     placement = from_arguments(LauncherConfig, args)
     ports = from_arguments(LocalPairConfig, args)
+    tp = {role: role_tp(placement, engine_cfg, role) for role in ("prefill", "decode")}
+    problem = kv_workers_tp_problem(tp["prefill"], tp["decode"])
+    if problem:
+        raise LayoutRefused(problem)
     model_path = resolve_model(engine_cfg.model, engine_cfg.resolved_dtype())
     prefill_cores, decode_cores = split_cores(placement.prefill_cores, placement.decode_cores)
     base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg),
                             **internal_tls_env(server_cfg), **tracing.settings_env(server_cfg)}
     tracing.setup_from(server_cfg, "pdserve-router", "local")
     tls = internal_tls(server_cfg)  # the pair is dialled with it
+    for role, cores in (("prefill", prefill_cores), ("decode", decode_cores)):
+        warning = ranks_warning(role, cores, tp[role])
+        if warning:
+            log.warning("%s", warning)
     workers = [
         LocalWorker(role, getattr(ports, f"{role}_port") or free_port(),
                     getattr(ports, f"{role}_metrics_port"),
-                    {**base, "PDSERVE_CPU_CORES": cores, "PDSERVE_WORKER_ID": f"local-{role}"})
+                    {**base, "PDSERVE_CPU_CORES": cores, "PDSERVE_WORKER_ID": f"local-{role}",
+                     "PDSERVE_TENSOR_PARALLEL_SIZE": str(tp[role])})
         for role, cores in (("prefill", prefill_cores), ("decode", decode_cores))
     ]
     backend: RouterBackend | None = None
     try:
-        log.info("starting the prefill worker (cores %s) and the decode worker (cores %s)",
-                 prefill_cores, decode_cores)
+        log.info("starting the prefill worker (cores %s, TP %d) and the decode worker "
+                 "(cores %s, TP %d)", prefill_cores, tp["prefill"], decode_cores,
+                 tp["decode"])
         await asyncio.gather(*(wait_healthy(w, tls) for w in workers))
         view = await pair_view(workers[0].target, workers[1].target, tls)
         backend = RouterBackend(router_cfg, view, AutoTokenizer.from_pretrained(

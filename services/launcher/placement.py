@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from services.engine.config import available_cores, format_cores, parse_cores, split_cores
 from services.launcher.actor_spec import ROLES
-from services.launcher.settings import Stack
+from services.launcher.settings import Stack, role_tp
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,6 +74,18 @@ def sharing_warning(shares: list[CoreShare], available: list[int]) -> str:
     )
 
 
+def ranks_warning(role: str, cores: str, ranks: int) -> str:
+    """What the operator reads when a CPU worker has fewer cores than tensor-parallel
+    ranks ("" when every rank has a core of its own)."""
+    have = parse_cores(cores)
+    if ranks <= len(have):
+        return ""
+    return (f"CPU cores oversubscribed: each {role} worker runs {ranks} tensor-parallel "
+            f"ranks on {_core_list(sorted(have))}, so ranks take turns on a core and wait "
+            f"for each other at every layer. Give the role at least {ranks} cores "
+            f"(--{role}-cores) or fewer ranks (--{role}-tp).")
+
+
 def stack_warning(stack: Stack, prefill: int, decode: int) -> str:
     """`sharing_warning` for a local stack of `prefill` and `decode` workers ("" on a
     joined cluster, where workers may land on different machines, and for GPU roles)."""
@@ -84,4 +96,6 @@ def stack_warning(stack: Stack, prefill: int, decode: int) -> str:
     cores = dict(zip(ROLES, split_cores(lc.prefill_cores, lc.decode_cores), strict=True))
     cpu = {role: c for role, c in cores.items() if not accelerator[role]}
     shares = shared_cores({"prefill": prefill, "decode": decode}, cpu)
-    return sharing_warning(shares, available_cores())
+    ranks = [ranks_warning(role, c, role_tp(lc, stack.engine, role)) for role, c in cpu.items()
+             if {"prefill": prefill, "decode": decode}[role]]
+    return " ".join(w for w in (sharing_warning(shares, available_cores()), *ranks) if w)

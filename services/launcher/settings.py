@@ -36,6 +36,11 @@ class LauncherConfig(BaseSettings):
                                "default: the first half")
     decode_cores: str = Field("", description="CPU: cores decode workers are pinned to; "
                               "default: the second half")
+    prefill_tp: int = Field(0, ge=0, description="tensor-parallel ranks of each prefill "
+                            "worker (GPU: devices per worker; CPU: its cores split per "
+                            "rank); 0 = --tensor-parallel-size")
+    decode_tp: int = Field(0, ge=0, description="tensor-parallel ranks of each decode "
+                           "worker; 0 = --tensor-parallel-size")
     prefill_accelerator: str = Field("", description="GPU: Ray accelerator type for prefill "
                                      "workers (compute-class, e.g. H100)")
     decode_accelerator: str = Field("", description="GPU: Ray accelerator type for decode "
@@ -88,6 +93,19 @@ class LauncherConfig(BaseSettings):
                                   "more than this share (the planner's error against real "
                                   "runs; smaller gains are noise)",
                                   json_schema_extra=ADVANCED)
+
+
+def role_tp(launcher: LauncherConfig, engine: EngineConfig, role: str) -> int:
+    """The tensor-parallel size of `role`'s workers: the role's own, else the engine's."""
+    own = {"prefill": launcher.prefill_tp, "decode": launcher.decode_tp}.get(role, 0)
+    return own or engine.tensor_parallel_size
+
+
+def role_engine(launcher: LauncherConfig, engine: EngineConfig, role: str,
+                cores: str) -> EngineConfig:
+    """The engine settings of `role`'s workers: its cores and its tensor-parallel size."""
+    return engine.model_copy(update={"cpu_cores": cores,
+                                     "tensor_parallel_size": role_tp(launcher, engine, role)})
 
 
 @dataclass

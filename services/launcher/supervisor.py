@@ -30,7 +30,7 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from services.launcher.actor_spec import ActorSpec
+from services.launcher.actor_spec import ActorSpec, ray_options
 from services.launcher.actors import ServiceActor
 from services.launcher.settings import LauncherConfig
 
@@ -52,6 +52,7 @@ class Tracked:
     pid: int = 0
     misses: int = 0
     restarting: bool = False  # killed by the supervisor: the next pid is expected
+    group: Any = None  # the placement group of a multi-GPU worker, removed with it
 
 
 async def _result(ref: Any) -> Any:
@@ -100,12 +101,19 @@ class Supervisor:
             if name not in self.actors and name not in self.retiring:  # else: next round
                 log.info("starting %s", name)
                 spec = self.spec(role, i)
-                handle = self.remote.options(**spec.options.kwargs()).remote(spec.args)
-                self.actors[name] = Tracked(handle, role)
+                options, group = ray_options(spec.options)
+                handle = self.remote.options(**options).remote(spec.args)
+                self.actors[name] = Tracked(handle, role, group=group)
         extra = sorted((n for n in self.actors if n.startswith(f"{role}-")
                         and int(n.rsplit("-", 1)[1]) >= count), reverse=True)
         for name in extra:
             self._start_retiring(name)
+
+    def _remove_group(self, t: Tracked) -> None:
+        if t.group is not None:
+            with contextlib.suppress(Exception):
+                self.ray.util.remove_placement_group(t.group)
+            t.group = None
 
     def _start_retiring(self, name: str) -> None:
         self.retiring[name] = asyncio.ensure_future(self._retire(name, self.actors.pop(name)))
@@ -126,6 +134,7 @@ class Supervisor:
         finally:
             with contextlib.suppress(Exception):
                 self.ray.kill(t.handle, no_restart=True)
+            self._remove_group(t)
             self.retiring.pop(name, None)
         log.info("stopped %s", name)
 
@@ -235,6 +244,7 @@ class Supervisor:
         """Dead for good (out of restarts, killed from outside): `ensure` replaces it."""
         log.warning("%s is gone; replacing it", name)
         RESTARTS.labels(t.role, "died").inc()
+        self._remove_group(t)
         self.actors.pop(name, None)
 
     async def stop_all(self) -> None:

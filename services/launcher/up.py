@@ -31,13 +31,14 @@ from pathlib import Path
 
 from prometheus_client import start_http_server
 
+from services.kv.tp_layout import LayoutRefused, kv_workers_tp_problem
 from services.launcher.actor_spec import ROLES, ActorSpecs
 from services.launcher.credentials import cluster_secret, stack_certificates
 from services.launcher.desired import Desired, DesiredState
 from services.launcher.placement import stack_warning
 from services.launcher.planning import live_planner, run_planner
 from services.launcher.ray_cluster import start_ray
-from services.launcher.settings import LOOPBACK, Stack
+from services.launcher.settings import LOOPBACK, Stack, role_tp
 from services.launcher.supervisor import ProbeSettings, Supervisor
 from services.launcher.watch import Watch
 from services.observability.discovery import TargetsFile
@@ -86,6 +87,10 @@ async def run_up(stack: Stack) -> None:
 
     lc = stack.launcher
     planner = live_planner(stack)  # a setting that cannot work stops here, before anything
+    problem = kv_workers_tp_problem(role_tp(lc, stack.engine, "prefill"),
+                                    role_tp(lc, stack.engine, "decode"))
+    if problem:
+        raise LayoutRefused(problem)
     if lc.state_file:
         os.environ[STATE_FILE_ENV] = lc.state_file
     stop = asyncio.Event()

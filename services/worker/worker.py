@@ -21,6 +21,7 @@ from services.engine.engine import Engine
 from services.kv.fingerprint import LayoutFingerprint
 from services.kv.layout import fingerprint_of
 from services.kv.settings import TRANSPORT_DEFAULTS, KVSettings
+from services.kv.tp_layout import LayoutRefused, kv_workers_tp_problem
 from services.registry.heartbeat import vllm_load
 from services.registry.records import WorkerRecord
 from services.security.tls import TLSFiles
@@ -96,6 +97,10 @@ class Worker:
               tls: TLSFiles | None = None) -> Worker:
         """Start the engine; its KV channels use the internal mTLS identity `tls` (None:
         plaintext)."""
+        tp = engine_cfg.tensor_parallel_size
+        problem = kv_workers_tp_problem(tp, tp)
+        if problem:  # before a minute of engine start-up, not after
+            raise LayoutRefused(f"{role} worker: {problem}")
         identity = WorkerIdentity.new(role, config.worker_id)
         address = ""
         with tempfile.TemporaryDirectory(prefix="pdserve-kv-") as tmp:

@@ -232,6 +232,17 @@ password from its Secret, expanded by the kubelet) and the extra variables.
 {{- $_ := set $seen $key $name -}}
 {{- end -}}
 {{- end -}}
+{{- range $role := list "prefill" "decode" -}}
+{{- $tp := int (get $.Values $role).tensorParallelSize -}}
+{{- if gt $tp 1 -}}
+{{- fail (printf "%s.tensorParallelSize %d: moving KV between tensor-parallel workers is not supported yet (a worker's KV transfer carries one rank's heads); use 1 for prefill and decode" $role $tp) -}}
+{{- end -}}
+{{- $gpus := index ((get $.Values $role).resources.limits | default dict) "nvidia.com/gpu" -}}
+{{- $want := mul $tp (ternary (int (get $.Values.kuberay.actorsPerPod $role)) 1 $.Values.kuberay.enabled) -}}
+{{- if and $gpus (ne (int $gpus) (int $want)) -}}
+{{- fail (printf "%s.resources.limits nvidia.com/gpu (%v) must be %d: one GPU per tensor-parallel rank (tensorParallelSize %d%s); leave it out and the chart sets it" $role $gpus $want $tp (ternary " times kuberay.actorsPerPod" "" $.Values.kuberay.enabled)) -}}
+{{- end -}}
+{{- end -}}
 {{- include "pdserve.validateSecurity" . -}}
 {{- if .Values.kuberay.enabled -}}
 {{- range $role := list "router" "prefill" "decode" -}}
@@ -296,6 +307,8 @@ a checksum of its own role's data, so a change restarts only the pods it concern
   {{- include "pdserve.settingsData" $v.router.settings }}
   # the workers
   PDSERVE_MODEL: {{ $v.model.path | quote }}
+  PDSERVE_PREFILL_TP: {{ $v.prefill.tensorParallelSize | int | quote }}
+  PDSERVE_DECODE_TP: {{ $v.decode.tensorParallelSize | int | quote }}
   PDSERVE_KV_HOST: "0.0.0.0"
   {{- if eq (int $v.kuberay.actorsPerPod.decode) 1 }}
   PDSERVE_KV_PORT: {{ $v.decode.ports.kv | int | quote }}
@@ -313,6 +326,7 @@ a checksum of its own role's data, so a change restarts only the pods it concern
   PDSERVE_METRICS_PORT: {{ $cfg.ports.metrics | int | quote }}
   PDSERVE_HEALTH_PORT: {{ $cfg.ports.health | int | quote }}
   PDSERVE_MODEL: {{ $v.model.path | quote }}
+  PDSERVE_TENSOR_PARALLEL_SIZE: {{ $cfg.tensorParallelSize | int | quote }}
   {{- include "pdserve.securityData" . }}
   {{- if eq .role "decode" }}
   PDSERVE_KV_HOST: "0.0.0.0"
@@ -356,4 +370,20 @@ the role's ConfigMap and env win over it. (dict "root" $ "role" "prefill")
 - name: pdserve-config
   mountPath: {{ include "pdserve.configFileDir" . }}
   readOnly: true
+{{- end -}}
+
+{{/*
+A worker pod's resources: the role's `resources`, and on GPU images one nvidia.com/gpu
+per tensor-parallel rank of each worker in the pod (pdserve.validate refuses a different
+count given by hand). (dict "root" $ "role" "prefill" "workers" 1)
+*/}}
+{{- define "pdserve.workerResources" -}}
+{{- $cfg := get .root.Values .role -}}
+{{- $res := deepCopy $cfg.resources -}}
+{{- if eq .root.Values.image.flavor "cuda" -}}
+{{- $limits := $res.limits | default dict -}}
+{{- $_ := set $limits "nvidia.com/gpu" (mul (int $cfg.tensorParallelSize) (int .workers)) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- end -}}
+{{- toYaml $res -}}
 {{- end -}}
