@@ -73,6 +73,7 @@ def _security_ok(server_cfg: ServerConfig, internal: bool = False) -> bool:
 def cmd_serve(args: argparse.Namespace) -> int:
     from services.engine.model import ModelPrepareError
     from services.engine.reaper import reap_children_on_exit
+    from services.kv.tp_layout import LayoutRefused
 
     engine_cfg = from_arguments(EngineConfig, args)
     server_cfg = from_arguments(ServerConfig, args)
@@ -86,7 +87,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             from services.launcher.local_pair import serve_disaggregated
 
             asyncio.run(serve_disaggregated(engine_cfg, server_cfg, args))
-    except ModelPrepareError as e:
+    except (ModelPrepareError, LayoutRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0
@@ -130,6 +131,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from services.kv.tp_layout import LayoutRefused
     from services.launcher.settings import stack_from_args
     from services.launcher.up import run_up
     from services.plan.live import PlannerError
@@ -139,7 +141,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     try:
         asyncio.run(run_up(stack))
-    except PlannerError as e:
+    except (PlannerError, LayoutRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

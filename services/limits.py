@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from pdserve.v1 import generate_pb2 as pb
 from services.errors import InvalidRequest
-from services.messages import Sampling
+from services.messages import Sampling, Structured
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
@@ -21,6 +21,12 @@ MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's servers' bound
 MAX_SEED = 2**63 - 1  # vLLM seeds a torch generator: a signed 64-bit integer
+# Output constraints: the text of a schema, regex or grammar, and the choices. A
+# grammar is compiled once per request on each engine that runs it.
+MAX_STRUCTURED_CHARS = 65536
+MAX_CHOICES = 1024
+MAX_N = 16  # answers per request: each is a running sequence on the (decode) engine
+GREEDY_BELOW = 1e-5  # vLLM samples greedily below this temperature
 
 
 def invalid(message: str) -> InvalidRequest:
@@ -101,13 +107,57 @@ def check_sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
         if not 0 <= s.logprobs <= MAX_LOGPROBS:
             raise invalid(f"sampling.logprobs: {s.logprobs} must be in [0, {MAX_LOGPROBS}]")
         logprobs = s.logprobs
+    structured = check_structured_form(s.structured) if s.HasField("structured") else None
+    n = 1
+    if s.HasField("n"):
+        if not 1 <= s.n <= MAX_N:
+            raise invalid(f"sampling.n: {s.n} must be in [1, {MAX_N}]")
+        n = s.n
+        if n > 1 and temperature is not None and temperature < GREEDY_BELOW:
+            raise invalid(f"sampling.n: {n} answers need sampling (temperature > 0); greedy "
+                          "sampling has one answer (vLLM refuses it too)")
+        if seed is not None and seed + n - 1 > MAX_SEED:
+            raise invalid(f"sampling.seed: {seed} must be at most {MAX_SEED - n + 1} with "
+                          f"n={n} (choice i samples with seed + i)")
     return Sampling(
         temperature=temperature, top_p=top_p, top_k=top_k, min_p=min_p,
         presence_penalty=presence, frequency_penalty=frequency,
         repetition_penalty=repetition,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         min_tokens=s.min_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, seed=seed, logprobs=logprobs)
+        ignore_eos=s.ignore_eos, seed=seed, logprobs=logprobs, structured=structured, n=n)
+
+
+def check_structured_form(st: pb.StructuredOutput) -> Structured | None:
+    """The constraint's form and size (what it means is checked by compiling it,
+    `services/engine/structured.py`); None when no kind is set."""
+    kind = st.WhichOneof("kind")
+    name = f"sampling.structured.{kind}"
+    if kind is None:
+        return None
+    if kind == "json_object":
+        if not st.json_object:
+            raise invalid(f"{name}: must be true when set; leave `structured` unset for "
+                          "free text")
+        return Structured("json_object")
+    if kind == "choice":
+        choices = tuple(st.choice.choices)
+        if not choices:
+            raise invalid(f"{name}.choices: at least one choice is needed")
+        if len(choices) > MAX_CHOICES:
+            raise invalid(f"{name}.choices: {len(choices)} choices; at most {MAX_CHOICES}")
+        for i, c in enumerate(choices):
+            if not c:
+                raise invalid(f"{name}.choices[{i}]: empty; every choice needs a character")
+        if sum(len(c) for c in choices) > MAX_STRUCTURED_CHARS:
+            raise invalid(f"{name}.choices: more than {MAX_STRUCTURED_CHARS} characters in all")
+        return Structured("choice", choices)
+    text: str = getattr(st, kind)
+    if kind != "regex" and not text.strip():
+        raise invalid(f"{name}: empty")
+    if len(text) > MAX_STRUCTURED_CHARS:
+        raise invalid(f"{name}: {len(text)} characters; at most {MAX_STRUCTURED_CHARS}")
+    return Structured("json" if kind == "json_schema" else kind, text)
 
 
 def resolve_max_tokens(s: Sampling, prompt_len: int, limits: Limits) -> int:

@@ -9,7 +9,28 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 # Fields whose empty value means "not asked for" (vLLM gets them only when set).
-_UNSET: dict[str, Any] = {"stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0}
+_UNSET: dict[str, Any] = {"stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0,
+                          "n": 1}
+
+
+STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+@dataclass(frozen=True, slots=True)
+class Structured:
+    """An output constraint (vLLM's structured outputs): `kind` is one of
+    STRUCTURED_KINDS, `value` the JSON schema's text, the regex, the grammar, the
+    choices, or None for json_object."""
+
+    kind: str
+    value: str | tuple[str, ...] | None = None
+
+    def vllm_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments for vLLM's StructuredOutputsParams."""
+        if self.kind == "json_object":
+            return {"json_object": True}
+        value = list(self.value) if isinstance(self.value, tuple) else self.value
+        return {self.kind: value}
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,13 +52,17 @@ class Sampling:
     ignore_eos: bool = False
     seed: int | None = None
     logprobs: int | None = None  # top log-probabilities per token
+    structured: Structured | None = None  # an output constraint
+    n: int = 1  # answers (choices) to the one prompt; choice i samples with seed + i
 
     def vllm_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for vLLM's SamplingParams, without max_tokens."""
+        """Keyword arguments for vLLM's SamplingParams, without max_tokens and the
+        output constraint (`services/engine/outputs.py` builds vLLM's own type for it)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "max_tokens" or value is None or _UNSET.get(f.name, ...) == value:
+            if (f.name in ("max_tokens", "structured") or value is None
+                    or _UNSET.get(f.name, ...) == value):
                 continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
         return out
@@ -74,6 +99,9 @@ class GenerationRequest:
     client_request_id: str = ""  # the client's own `request_id`, echoed, never acted on
     # The client's W3C trace context (traceparent, tracestate) when tracing is on.
     trace_headers: tuple[tuple[str, str], ...] = ()
+    # The last `generated_tokens` of prompt_token_ids are the answer so far (a request
+    # resumed elsewhere): an output constraint resumes after them instead of restarting.
+    generated_tokens: int = 0
 
     def continued(self, generated: list[int]) -> GenerationRequest:
         """The same request resumed after `generated` tokens (a migration): those tokens
@@ -81,7 +109,8 @@ class GenerationRequest:
         s = self.sampling
         sampling = replace(s, min_tokens=max(0, s.min_tokens - len(generated)))
         return replace(self, prompt_token_ids=[*self.prompt_token_ids, *generated],
-                       sampling=sampling, max_tokens=self.max_tokens - len(generated))
+                       sampling=sampling, max_tokens=self.max_tokens - len(generated),
+                       generated_tokens=self.generated_tokens + len(generated))
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,6 +147,11 @@ class Delta:
     logprobs: list[TokenLogprob] | None = None
     finished: bool = False
     finish_reason: str | None = None  # "stop" | "length" | "abort" on the last delta
+    index: int = 0  # the choice the tokens belong to (n > 1)
+    # n > 1: how this delta's choice ended, on its last delta (the request's last delta
+    # tells the request's end: choice 0's)
+    choice_finish_reason: str | None = None
+    choice_stop_reason: str | int | None = None
     stop_reason: str | int | None = None
     num_cached_tokens: int = 0
     timings: Timings = field(default_factory=Timings)

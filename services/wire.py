@@ -8,7 +8,7 @@ import math
 from dataclasses import fields
 
 from pdserve.v1 import generate_pb2 as pb
-from services.messages import Delta, Sampling, Timings, TokenLogprob
+from services.messages import Delta, Sampling, Structured, Timings, TokenLogprob
 
 FINISH_REASONS: dict[str, pb.FinishReason] = {
     "stop": pb.FINISH_REASON_STOP,
@@ -37,6 +37,20 @@ def sampling_pb(s: Sampling, max_tokens: int, min_tokens: int) -> pb.SamplingPar
         value = getattr(s, name)
         if value is not None:
             setattr(out, name, value)
+    if s.structured is not None:
+        out.structured.CopyFrom(structured_pb(s.structured))
+    if s.n != 1:
+        out.n = s.n
+    return out
+
+
+def structured_pb(st: Structured) -> pb.StructuredOutput:
+    if st.kind == "json_object":
+        return pb.StructuredOutput(json_object=True)
+    if st.kind == "choice":
+        return pb.StructuredOutput(choice=pb.Choices(choices=list(st.value or ())))
+    out = pb.StructuredOutput()
+    setattr(out, "json_schema" if st.kind == "json" else st.kind, str(st.value))
     return out
 
 
@@ -74,8 +88,18 @@ def timings_of(t: pb.Timings) -> Timings:
 # -- stream messages ----------------------------------------------------------------------
 def chunk_pb(delta: Delta) -> pb.GenerateResponse:
     """A delta's tokens as a public chunk message."""
-    return pb.GenerateResponse(chunk=pb.Chunk(token_ids=delta.token_ids, text=delta.text,
-                                              logprobs=logprobs_pb(delta.logprobs)))
+    chunk = pb.Chunk(token_ids=delta.token_ids, text=delta.text,
+                     logprobs=logprobs_pb(delta.logprobs), index=delta.index)
+    if delta.choice_finish_reason is not None:
+        chunk.finish_reason = finish_reason_pb(delta.choice_finish_reason)
+        stop = delta.choice_stop_reason
+        chunk.stop_reason = "" if stop is None else str(stop)
+    return pb.GenerateResponse(chunk=chunk)
+
+
+def is_chunk(delta: Delta) -> bool:
+    """Whether a delta goes out as a chunk: it has tokens or text, or ends its choice."""
+    return bool(delta.token_ids or delta.text or delta.choice_finish_reason)
 
 
 def chunk_out(delta: Delta) -> pb.GenerateResponse | bytes:
@@ -115,8 +139,12 @@ def delta_of_bytes(data: bytes) -> Delta:
         return _final_delta(r.final)
     c = r.chunk
     logprobs = c.logprobs
-    return Delta(list(c.token_ids), c.text, logprobs_of(list(logprobs)) if logprobs else None,
-                 wire=data)
+    delta = Delta(list(c.token_ids), c.text, logprobs_of(list(logprobs)) if logprobs else None,
+                  index=c.index, wire=data)
+    if c.finish_reason:
+        delta.choice_finish_reason = finish_name(c.finish_reason)
+        delta.choice_stop_reason = c.stop_reason or None
+    return delta
 
 
 def _final_delta(f: pb.Final) -> Delta:

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
 from services.engine.engine import Engine, ModelFacts
-from services.engine.outputs import delta_of_output, vllm_params
+from services.engine.outputs import Choices, delta_of_output, vllm_params
 from services.messages import Delta, GenerationRequest
 
 if TYPE_CHECKING:
@@ -49,5 +49,12 @@ class ColocatedBackend:
 
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         params = vllm_params(req.sampling, req.max_tokens)
-        async for output in self.engine.generate(req.prompt_token_ids, params, req.request_id):
-            yield delta_of_output(output)
+        stream = self.engine.generate(req.prompt_token_ids, params, req.request_id)
+        if req.sampling.n == 1:
+            async for output in stream:
+                yield delta_of_output(output)
+            return
+        choices = Choices()  # vLLM's parallel sampling: choice i samples with seed + i
+        async for output in stream:
+            for delta in choices.deltas(output):
+                yield delta

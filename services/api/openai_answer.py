@@ -24,6 +24,17 @@ def _lp(value: float) -> float:
 
 
 @dataclass
+class Choice:
+    """One of the answer's choices (one unless the request asked for n > 1)."""
+
+    texts: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+    logprob_parts: list[dict[str, Any]] = field(default_factory=list)
+    text_offset: int = 0  # completions' logprobs count characters from the answer's start
+
+
+@dataclass
 class Answer:
     """The answer to one request. `add` each delta in order; it returns the choice to
     stream for that delta, and `response` gives the non-streaming body at the end."""
@@ -35,18 +46,24 @@ class Answer:
     prompt_tokens: int
     tokenizer: PreTrainedTokenizerBase
     top_logprobs: int | None = None  # logprobs asked for; None: not asked
+    n: int = 1  # choices
     created: int = field(default_factory=lambda: int(time.time()))
-    texts: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     cached_tokens: int = 0
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
     ttft_s: float = 0.0
     e2e_s: float = 0.0
     server_timings: dict[str, float] = field(default_factory=dict)
-    logprob_parts: list[dict[str, Any]] = field(default_factory=list)
-    text_offset: int = 0  # completions' logprobs count characters from the answer's start
+    choices: dict[int, Choice] = field(default_factory=dict)
     _token_text: dict[int, str] = field(default_factory=dict)
+
+    def choice(self, index: int) -> Choice:
+        if index not in self.choices:
+            self.choices[index] = Choice()
+        return self.choices[index]
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.choice(0).finish_reason
 
     @property
     def id(self) -> str:
@@ -57,32 +74,40 @@ class Answer:
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
                 "choices": choices, **extra}
 
-    def role_choice(self) -> dict[str, Any]:
-        """A chat stream's first choice: the assistant's role, no content yet."""
-        return {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}
+    def role_choices(self) -> list[dict[str, Any]]:
+        """A chat stream's first choices: the assistant's role, no content yet."""
+        return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                 "finish_reason": None} for i in range(self.n)]
 
-    def add(self, delta: Delta) -> dict[str, Any]:
+    def add(self, delta: Delta) -> dict[str, Any] | None:
+        """The streamed choice for `delta`; None for the end of an n > 1 request, whose
+        choices each ended on their own delta."""
         if delta.token_ids and not self.completion_tokens:
             self.ttft_s = time.monotonic() - self.started
         self.completion_tokens += len(delta.token_ids)
-        self.texts.append(delta.text)
-        logprobs = None
-        if self.top_logprobs is not None and delta.logprobs:
-            logprobs = self._logprobs(delta.logprobs)
-            self.logprob_parts.append(logprobs)
         if delta.finished:
             self.e2e_s = time.monotonic() - self.started
-            self.finish_reason, self.stop_reason = delta.finish_reason, delta.stop_reason
             self.cached_tokens = delta.num_cached_tokens
             self.server_timings = dataclasses.asdict(delta.timings)
-        choice: dict[str, Any] = {"index": 0}
+            if self.n > 1:
+                return None
+        c = self.choice(delta.index)
+        c.texts.append(delta.text)
+        logprobs = None
+        if self.top_logprobs is not None and delta.logprobs:
+            logprobs = self._logprobs(c, delta.logprobs)
+            c.logprob_parts.append(logprobs)
+        if delta.finished:
+            c.finish_reason, c.stop_reason = delta.finish_reason, delta.stop_reason
+        elif delta.choice_finish_reason is not None:
+            c.finish_reason, c.stop_reason = delta.choice_finish_reason, delta.choice_stop_reason
+        choice: dict[str, Any] = {"index": delta.index}
         if self.chat:
             choice["delta"] = {"content": delta.text} if delta.text else {}
         else:
             choice["text"] = delta.text
-        choice.update(logprobs=logprobs, finish_reason=self.finish_reason,
-                      stop_reason=self.stop_reason)
+        choice.update(logprobs=logprobs, finish_reason=c.finish_reason,
+                      stop_reason=c.stop_reason)
         return choice
 
     async def collect(self, deltas: AsyncIterator[Delta]) -> None:
@@ -106,17 +131,21 @@ class Answer:
 
     def response(self) -> dict[str, Any]:
         """The non-streaming body."""
-        text = "".join(self.texts)
-        choice: dict[str, Any] = {"index": 0}
-        if self.chat:
-            choice["message"] = {"role": "assistant", "content": text}
-        else:
-            choice["text"] = text
-        choice.update(logprobs=self._merged_logprobs(), finish_reason=self.finish_reason,
-                      stop_reason=self.stop_reason)
+        choices = []
+        for i in range(self.n):
+            c = self.choice(i)
+            text = "".join(c.texts)
+            choice: dict[str, Any] = {"index": i}
+            if self.chat:
+                choice["message"] = {"role": "assistant", "content": text}
+            else:
+                choice["text"] = text
+            choice.update(logprobs=_merged_logprobs(c), finish_reason=c.finish_reason,
+                          stop_reason=c.stop_reason)
+            choices.append(choice)
         kind = "chat.completion" if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
-                "choices": [choice], "usage": self.usage(), "pdserve": self.extension()}
+                "choices": choices, "usage": self.usage(), "pdserve": self.extension()}
 
     # -- logprobs -------------------------------------------------------------------------
     def _text(self, token_id: int) -> str:
@@ -124,7 +153,7 @@ class Answer:
             self._token_text[token_id] = str(self.tokenizer.decode([token_id]))
         return self._token_text[token_id]
 
-    def _logprobs(self, items: list[TokenLogprob]) -> dict[str, Any]:
+    def _logprobs(self, c: Choice, items: list[TokenLogprob]) -> dict[str, Any]:
         if self.chat:  # OpenAI: top_logprobs lists exactly the k most likely tokens
             k = self.top_logprobs or 0
             return {"content": [
@@ -136,24 +165,26 @@ class Answer:
                                       "top_logprobs": []}
         for lp in items:
             token = self._text(lp.token_id)
-            part["text_offset"].append(self.text_offset)
+            part["text_offset"].append(c.text_offset)
             part["token_logprobs"].append(_lp(lp.logprob))
             part["tokens"].append(token)
             part["top_logprobs"].append(
                 {self._text(lp.token_id): _lp(lp.logprob)}
                 | {self._text(t): _lp(v) for t, v in lp.top})
-            self.text_offset += len(token)
+            c.text_offset += len(token)
         return part
 
     def _entry(self, token_id: int, logprob: float) -> dict[str, Any]:
         token = self._text(token_id)
         return {"token": token, "logprob": _lp(logprob), "bytes": list(token.encode())}
 
-    def _merged_logprobs(self) -> dict[str, Any] | None:
-        if not self.logprob_parts:
-            return None
-        merged: dict[str, list[Any]] = {}
-        for part in self.logprob_parts:
-            for key, values in part.items():
-                merged.setdefault(key, []).extend(values)
-        return merged
+
+
+def _merged_logprobs(c: Choice) -> dict[str, Any] | None:
+    if not c.logprob_parts:
+        return None
+    merged: dict[str, list[Any]] = {}
+    for part in c.logprob_parts:
+        for key, values in part.items():
+            merged.setdefault(key, []).extend(values)
+    return merged

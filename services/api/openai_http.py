@@ -60,8 +60,9 @@ T = TypeVar("T")
 TIMEOUT_HEADER = "x-request-timeout"  # seconds the client will wait: gRPC's deadline
 
 
-def error_response(err: BaseException, chat: bool) -> JSONResponse:
-    status, body = openai_error(err, chat)
+def error_response(err: BaseException, chat: bool,
+                   structured: str = "response_format") -> JSONResponse:
+    status, body = openai_error(err, chat, structured)
     headers = None
     if isinstance(err, Overloaded):
         headers = {"Retry-After": str(max(1, math.ceil(err.retry_after_ms / 1000)))}
@@ -169,12 +170,15 @@ async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
     try:
         async for delta in deltas:
             if not started and answer.chat:
-                yield sse(answer.chunk([answer.role_choice()]))
+                yield sse(answer.chunk(answer.role_choices()))
             started = True
             choice = answer.add(delta)
             # The timing anatomy rides on the usage chunk, or else on the last chunk.
             last = delta.finished and not include_usage
-            yield sse(answer.chunk([choice], **({"pdserve": answer.extension()} if last else {})))
+            if choice is None and not last:
+                continue  # the end of n > 1 choices, each of which ended on its own
+            yield sse(answer.chunk([choice] if choice else [],
+                                   **({"pdserve": answer.extension()} if last else {})))
         if include_usage:
             yield sse(answer.chunk([], usage=answer.usage(), pdserve=answer.extension()))
     except PdserveError as e:
@@ -206,10 +210,10 @@ class OpenAIFront:
             if tracing.enabled():  # the client's traceparent header: its trace continues
                 req = replace(req, trace_headers=tracing.carried(request.headers.items()))
         except PdserveError as e:
-            return error_response(e, chat)
+            return error_response(e, chat, body.structured_param)
         answer = Answer(chat=chat, request_id=request_id, model=self.limits.served_model,
                         started=started, prompt_tokens=len(req.prompt_token_ids),
-                        tokenizer=self.backend.tokenizer,
+                        tokenizer=self.backend.tokenizer, n=req.sampling.n,
                         top_logprobs=public.sampling.logprobs
                         if public.sampling.HasField("logprobs") else None)
         deltas = deltas_of(self.backend, req)

@@ -1,7 +1,7 @@
 """OpenAI request bodies, their translation into pdserve's `GenerateRequest`, and
 refusals as OpenAI error bodies with their HTTP status.
 
-The HTTP front validates only what the gRPC API has no word for (`n`, the prompt's
+The HTTP front validates only what the gRPC API has no word for (the prompt's
 OpenAI forms, fields pdserve does not implement); everything else is checked by
 `services.api.prepare`, the one path every front end takes. Its errors name gRPC fields
 (`sampling.max_tokens`); `openai_error` renames them to the fields the HTTP client sent
@@ -14,6 +14,7 @@ when set to anything but their default, so a request never silently means less.
 
 from __future__ import annotations
 
+import json
 import re
 from typing import Any, cast
 
@@ -28,8 +29,14 @@ UINT64_MAX = 2**64 - 1
 
 # Known fields pdserve cannot honour: refused unless left at a default.
 UNSUPPORTED = ("best_of", "echo", "suffix", "logit_bias", "use_beam_search", "prompt_logprobs",
-               "include_stop_str_in_output", "tools", "response_format", "logprob_token_ids")
-_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (1,), "response_format": ({"type": "text"},)}
+               "include_stop_str_in_output", "tools", "logprob_token_ids")
+_NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
+# vLLM's `structured_outputs` keys: the constraint kinds (as the gRPC field names them),
+# and options pdserve does not pass on (refused unless left at their default).
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
+                    "grammar": "grammar", "json_object": "json_object"}
+STRUCTURED_UNSUPPORTED = ("structural_tag", "disable_any_whitespace",
+                          "disable_additional_properties", "whitespace_pattern")
 
 
 class _Body(BaseModel):
@@ -60,6 +67,14 @@ class _Sampling(_Body):
     user: str | None = None  # accepted and ignored, as vLLM does
     stream: bool | None = False
     stream_options: StreamOptions | None = None
+    # Output constraints: OpenAI's `response_format`, or vLLM's `structured_outputs`.
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    @property
+    def structured_param(self) -> str:
+        """The body field the output constraint came in (names it in errors)."""
+        return "structured_outputs" if self.structured_outputs else "response_format"
 
     @property
     def include_usage(self) -> bool:
@@ -97,8 +112,6 @@ def _int(name: str, value: int, low: int = -(2**31), high: int = INT32_MAX) -> i
 
 
 def _check_openai_only(body: _Sampling) -> None:
-    if body.n not in (None, 1):
-        raise invalid(f"n: {body.n} choices asked; pdserve returns exactly one (n=1)")
     for name, value in (body.model_extra or {}).items():
         if name in UNSUPPORTED and value not in (None, False, "", [], {}, *_NEUTRAL.get(name, ())):
             raise invalid(f"{name}: not supported by pdserve; leave it unset")
@@ -119,10 +132,70 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
         s.logprobs = _int("logprobs", logprobs)
     if body.seed is not None:
         s.seed = _int("seed", body.seed, 0, UINT64_MAX)
+    if body.n is not None and body.n != 1:
+        s.n = _int("n", body.n, 0, INT32_MAX)  # its range is checked with the sampling
     s.stop.extend([body.stop] if isinstance(body.stop, str) else body.stop or [])
     for i, t in enumerate(body.stop_token_ids or []):
         s.stop_token_ids.append(_int(f"stop_token_ids[{i}]", t))
+    structured = _structured(body)
+    if structured is not None:
+        s.structured.CopyFrom(structured)
     return s
+
+
+def _schema_text(name: str, schema: Any) -> str:
+    if isinstance(schema, str):
+        return schema  # JSON text; compile-checked with the rest
+    if not isinstance(schema, dict):
+        raise invalid(f"{name}: a JSON schema is an object")
+    return json.dumps(schema)
+
+
+def _structured(body: _Sampling) -> pb.StructuredOutput | None:
+    """The output constraint of `response_format` or `structured_outputs` (one only)."""
+    fmt, so = body.response_format, body.structured_outputs
+    if fmt is not None and fmt.get("type", "text") != "text":
+        if so:
+            raise invalid("response_format: set either response_format or "
+                          "structured_outputs, not both")
+        kind = fmt.get("type")
+        if kind == "json_object":
+            return pb.StructuredOutput(json_object=True)
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or spec.get("schema") is None:
+                raise invalid("response_format.json_schema.schema: required with type "
+                              "json_schema (the JSON schema the answer must validate)")
+            return pb.StructuredOutput(json_schema=_schema_text(
+                "response_format.json_schema.schema", spec["schema"]))
+        raise invalid(f"response_format.type: {kind!r} is not supported; use text, "
+                      "json_object or json_schema")
+    if not so:
+        return None
+    for key in STRUCTURED_UNSUPPORTED:
+        if so.get(key) not in (None, False, ""):
+            raise invalid(f"structured_outputs.{key}: not supported by pdserve; leave it unset")
+    kinds = [k for k in STRUCTURED_KINDS if so.get(k) is not None]
+    if len(kinds) != 1:
+        raise invalid("structured_outputs: set exactly one of json, regex, choice, grammar "
+                      f"or json_object (got {', '.join(kinds) or 'none'})")
+    key = kinds[0]
+    value = so[key]
+    if key == "json":
+        return pb.StructuredOutput(json_schema=_schema_text("structured_outputs.json", value))
+    if key == "choice":
+        if not isinstance(value, list) or not all(isinstance(c, str) for c in value):
+            raise invalid("structured_outputs.choice: a list of strings")
+        return pb.StructuredOutput(choice=pb.Choices(choices=value))
+    if key == "json_object":
+        if value is not True:
+            raise invalid("structured_outputs.json_object: must be true when set")
+        return pb.StructuredOutput(json_object=True)
+    if not isinstance(value, str):
+        raise invalid(f"structured_outputs.{key}: a string")
+    out = pb.StructuredOutput()
+    setattr(out, key, value)
+    return out
 
 
 def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
@@ -186,9 +259,16 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
                       "param": param, "code": status}}
 
 
-def openai_param(path: str, chat: bool) -> str:
-    """The HTTP body's name for a gRPC field path (`sampling.top_p` -> `top_p`)."""
+def openai_param(path: str, chat: bool, structured: str = "response_format") -> str:
+    """The HTTP body's name for a gRPC field path (`sampling.top_p` -> `top_p`);
+    `structured`: the body field the output constraint came in."""
     prompt = "messages" if chat else "prompt"
+    if path.startswith("sampling.structured"):
+        kind = path.removeprefix("sampling.structured").lstrip(".").split(".")[0]
+        if structured == "structured_outputs" and kind:
+            by_grpc = {v: k for k, v in STRUCTURED_KINDS.items()}
+            return f"structured_outputs.{by_grpc.get(kind, kind)}"
+        return structured
     if path.startswith("sampling."):
         name = path.removeprefix("sampling.")
         return "top_logprobs" if chat and name == "logprobs" else name
@@ -199,12 +279,17 @@ def openai_param(path: str, chat: bool) -> str:
     return path
 
 
-def openai_error(err: BaseException, chat: bool) -> tuple[int, dict[str, Any]]:
+def openai_error(err: BaseException, chat: bool, structured: str = "response_format"
+                 ) -> tuple[int, dict[str, Any]]:
     """(HTTP status, OpenAI error body) for a refusal or failure. The leading field of a
     message is renamed to the HTTP body's name for it, which is also the `param`."""
     status, message = http_status(err)
     match = _FIELD.match(message)
     if match is None:
         return status, error_body(status, message)
-    param = openai_param(match.group(1), chat) + match.group(2)
+    path = match.group(1)
+    if path.startswith("sampling.structured"):  # the whole path names the gRPC field
+        param = openai_param(path + match.group(2), chat, structured)
+    else:
+        param = openai_param(path, chat, structured) + match.group(2)
     return status, error_body(status, param + message[match.end(2):], param)

@@ -12,6 +12,7 @@ from services import limits as model_limits
 from services.api import validation
 from services.api.prompts import render
 from services.engine.engine import ModelFacts
+from services.engine.structured import check_structured
 from services.messages import GenerationRequest
 
 if TYPE_CHECKING:
@@ -28,6 +29,8 @@ def prepare(request: pb.GenerateRequest, limits: model_limits.Limits,
     validation.check_model(request.model, limits)
     prompt = validation.check_input(request, limits)
     sampling = model_limits.check_sampling(request.sampling, limits)
+    if sampling.structured is not None:  # refused here, never by an engine
+        check_structured(sampling.structured)
     prompt_ids = render(prompt, tokenizer)
     max_tokens = model_limits.resolve_max_tokens(sampling, len(prompt_ids), limits)
     return GenerationRequest(uuid.uuid4().hex, prompt_ids, sampling, max_tokens, timeout_s,

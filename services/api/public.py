@@ -5,10 +5,12 @@ when `http_port` is set, both over one backend, with the same credentials."""
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 from services.api.backend import Backend
 from services.api.servicer import generation_service
+from services.engine import structured
 from services.server.grpc_server import Bound, Companion, serve
 from services.server.listener import Listener
 from services.server.settings import ServerConfig
@@ -20,6 +22,9 @@ async def serve_public(config: ServerConfig, backend: Backend, banner: str,
     """Serve `backend` until SIGTERM/SIGINT (or `stop` is set), then drain both APIs.
     Refuses (`InsecureBindError`) to serve beyond loopback unauthenticated unless
     `config.allow_insecure`."""
+    # Constraints are compile-checked with vLLM's validator: import it now, not while
+    # the first constrained request waits.
+    threading.Thread(target=structured.warm_up, name="structured-warm-up", daemon=True).start()
     listener = Listener.public(config)
     http: list[Companion] = []
     if config.http_port:

@@ -59,7 +59,7 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         stream = self.backend.generate(req)
         try:
             async for delta in stream:
-                if delta.token_ids or delta.text:
+                if wire.is_chunk(delta):
                     if completion_tokens == 0 and delta.token_ids:
                         ttft_s = time.monotonic() - started
                     completion_tokens += len(delta.token_ids)

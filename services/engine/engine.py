@@ -14,10 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from services.engine import structured
 from services.engine.admission import Admission
 from services.engine.config import EngineConfig, cpu_only, parse_cores
 from services.engine.model import resolve_model
 from services.errors import EngineDead, InvalidRequest
+from services.kv.tp_layout import check_model_shape, read_hf_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -95,6 +97,15 @@ def pin(pids: set[int], cores: set[int]) -> None:
                 log.debug("could not pin thread %s of %s: %s", tid, pid, e)
 
 
+def in_ray_placement_group() -> bool:
+    """This process runs inside a Ray placement group (a `pdserve up` actor's)."""
+    try:
+        import ray
+    except ImportError:  # pragma: no cover - Ray comes with pdserve
+        return False
+    return bool(ray.is_initialized() and ray.util.get_current_placement_group())
+
+
 class Engine:
     """One `AsyncLLM` plus the tokenizer and facts about its model."""
 
@@ -109,6 +120,7 @@ class Engine:
 
     # -- life cycle -------------------------------------------------------------------
     def engine_args(self) -> Any:
+        from vllm.config import StructuredOutputsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
 
         c = self.config
@@ -124,12 +136,25 @@ class Engine:
             # Per-request timings (RequestOutput.metrics) exist only with stats on.
             disable_log_stats=False,
             kv_transfer_config=self._kv_transfer_config,
+            tensor_parallel_size=c.tensor_parallel_size,
         )
+        if c.tensor_parallel_size > 1 and cpu_only():
+            # One process per rank, each bound to its core group (config.threads_bind).
+            kwargs["distributed_executor_backend"] = "mp"
+        elif c.tensor_parallel_size > 1 and in_ray_placement_group():
+            # `pdserve up`: the actor's placement group holds one GPU bundle per rank
+            # (launcher/actor_spec.py); vLLM's Ray executor puts a rank on each.
+            kwargs["distributed_executor_backend"] = "ray"
         if self._kv_transfer_config is not None:
             # Lets the worker read its connector's staging level (kv/worker_ext.py).
             from services.kv.worker_ext import EXTENSION
 
             kwargs["worker_extension_cls"] = EXTENSION
+            # A worker continues answers begun elsewhere: output constraints resume.
+            kwargs["scheduler_cls"] = structured.SCHEDULER
+        # One constraint backend for every engine: what the API compile-checked is what
+        # each engine compiles, and prefill and decode split the answer alike.
+        kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend=structured.BACKEND)
         if c.block_size:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:
@@ -145,6 +170,15 @@ class Engine:
         from transformers import AutoTokenizer
         from vllm.v1.engine.async_llm import AsyncLLM
 
+        # Refused here, in words, rather than by vLLM after its processes spawned.
+        check_model_shape(read_hf_config(self.model_path), self.config.tensor_parallel_size,
+                          kv_transfer=self._kv_transfer_config is not None)
+        cores = parse_cores(self.config.resolved_cores())
+        if cpu_only() and len(cores) < self.config.tensor_parallel_size:
+            log.warning("%d tensor-parallel ranks on %d core(s): ranks share cores and wait "
+                        "for each other at every layer; give the engine at least %d cores "
+                        "(--cpu-cores)", self.config.tensor_parallel_size, len(cores),
+                        self.config.tensor_parallel_size)
         os.environ.update(self.config.vllm_env())
         self._tokenizer = AutoTokenizer.from_pretrained(str(self.model_path))
         log.info("starting vLLM engine for %s", self.model_path)
@@ -153,7 +187,7 @@ class Engine:
         if cpu_only():  # only the processes vLLM just spawned
             spawned = children() - before
             if self.config.pin_scheduler:
-                pin(spawned, parse_cores(self.config.resolved_cores()))
+                pin(spawned, cores)
             if self.config.engine_nice:
                 renice(spawned, self.config.engine_nice)
         self._facts = self._read_facts()

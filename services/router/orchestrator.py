@@ -113,8 +113,8 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
     if prefill is None:
         call = decode.decode(wpb.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens), fault=fault),
-            timeout=timeout, metadata=metadata)
+            sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens), fault=fault,
+            generated_tokens=req.generated_tokens), timeout=timeout, metadata=metadata)
         async for delta in _stream_decode(call, decode, None, 0, 0, liveness):
             yield delta
         return
@@ -131,11 +131,14 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
     loaded = False  # the decode worker took the transfer and the answer ended there
     try:
         first_budget, rest = split_budget(req.max_tokens, s.min_tokens)
+        many = s.n > 1  # n answers: the prefill worker ships the prompt's KV once
+        prefill_sampling = wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens)
+        prefill_sampling.ClearField("n")
         call1 = prefill.prefill(wpb.PrefillRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-            sampling=wire.sampling_pb(s, first_budget.max_tokens, first_budget.min_tokens),
-            transfer_id=transfer_id, fault=fault, target=target), timeout=timeout,
-            metadata=metadata)
+            sampling=prefill_sampling,
+            transfer_id=transfer_id, fault=fault, target=target,
+            generated_tokens=req.generated_tokens), timeout=timeout, metadata=metadata)
         watch = liveness.watch(call1, "prefill", prefill.worker_id, prefill.channel)
         try:
             first = await call1
@@ -148,6 +151,20 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
         finally:
             liveness.unwatch(watch)
         prefill_timings = Timings(queue_s=first.queue_s, prefill_s=first.prefill_s)
+        if many:
+            # Every choice samples all its tokens on the decode worker (choice i with seed
+            # + i, as vLLM's parallel sampling): the prefill worker's token 1 is not one
+            # of them, so seeded answers are vLLM's. The decode worker has the whole budget.
+            call = decode.decode(wpb.DecodeRequest(
+                request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens),
+                handle=first.handle, fault=fault, generated_tokens=req.generated_tokens),
+                timeout=None if timeout is None else max(0.1, timeout), metadata=metadata)
+            async for delta in _stream_decode(call, decode, prefill_timings,
+                                              first.cached_tokens, 0, liveness):
+                loaded = delta.finished
+                yield delta
+            return
         token1 = Delta([first.first_token_id], first.first_token_text,
                        wire.logprobs_of(list(first.logprobs)))
         if first.finished or rest.max_tokens == 0:
@@ -163,7 +180,8 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             first_token_id=first.first_token_id,
             sampling=wire.sampling_pb(s, rest.max_tokens, rest.min_tokens), handle=first.handle,
-            fault=fault), timeout=None if timeout is None else max(0.1, timeout),
+            fault=fault, generated_tokens=req.generated_tokens),
+            timeout=None if timeout is None else max(0.1, timeout),
             metadata=metadata)
         async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1,
                                           liveness):

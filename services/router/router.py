@@ -273,7 +273,10 @@ class RouterBackend:
                     return
                 except WorkerFailure as e:
                     self._suspect(e.worker_id)
-                    if moves >= self.config.migration_limit:
+                    # n > 1 answers move only before their first token: a continuation
+                    # carries one answer so far.
+                    if moves >= self.config.migration_limit or (req.sampling.n > 1
+                                                                 and streamed):
                         raise
                     moves += 1
                     events.moved(moves, e, len(streamed))

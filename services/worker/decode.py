@@ -5,9 +5,11 @@ request migrated here mid-answer."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -17,12 +19,12 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services import wire
-from services.engine.outputs import delta_of_output, vllm_params
+from services.engine.outputs import Choices, delta_of_output, end_delta, vllm_params
 from services.errors import Aborted, IncompatiblePair, InvalidRequest, Unavailable
 from services.kv import worker_ext
 from services.kv.params import LoadReport, RecvParams, check_fault
 from services.limits import Limits
-from services.messages import Delta, Timings
+from services.messages import Delta, Sampling, Timings
 from services.observability import tracing
 from services.observability.request_spans import (
     DecodeTally,
@@ -63,8 +65,13 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     def _prompt(self, req: wpb.DecodeRequest) -> list[int]:
         checks.check_id("request_id", req.request_id)
         local = not req.HasField("handle")  # no prefill worker: prefill here
-        ids = [*req.prompt_token_ids] if local else [*req.prompt_token_ids, req.first_token_id]
+        # n > 1: every choice samples its own token 1 here (`_choices`)
+        alone = local or req.sampling.n > 1
+        ids = [*req.prompt_token_ids] if alone else [*req.prompt_token_ids, req.first_token_id]
         checks.check_prompt(ids, self.limits, "prompt_token_ids + first_token_id")
+        if req.generated_tokens >= len(req.prompt_token_ids):
+            raise InvalidRequest(f"generated_tokens: {req.generated_tokens} must be fewer than "
+                                 f"the {len(req.prompt_token_ids)} prompt tokens")
         h = req.handle
         if not local and self.worker.identity.role == "prefill":
             raise IncompatiblePair("this is a prefill worker: it receives no KV, so it serves "
@@ -106,23 +113,36 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         try:
             ids = self._prompt(req)
             sampling, max_tokens = checks.check_sampling(req.sampling, self.limits, len(ids))
-            params = vllm_params(sampling, max_tokens, extra_args=self._kv_params(req))
+            # The answer so far (and token 1, the prefill worker's): an output
+            # constraint resumes after it.
+            resume = req.generated_tokens + (len(ids) - len(req.prompt_token_ids))
+            extra = self._kv_params(req)
+            if sampling.n > 1 and extra:
+                stream = self._choices(req.request_id, ids, sampling, max_tokens, extra,
+                                       resume)
+            else:  # one answer, or vLLM's parallel sampling of a prompt computed here
+                stream = self._outputs(req.request_id, ids, vllm_params(
+                    sampling, max_tokens, extra_args=extra, resume_tokens=resume), sampling.n)
         except Exception as e:
             span.fail(e, error_type(e))
             span.end()
             raise
-        stream = self.worker.engine.generate(ids, params, req.request_id)
         try:
-            async for out in stream:
+            async for out, deltas in stream:
                 steps += 1
                 first_step_wall = first_step_wall or time.time()
-                delta = delta_of_output(out)
-                tokens += len(delta.token_ids)
-                if delta.token_ids or delta.text:
-                    yield wire.chunk_pb(delta)
+                for delta in deltas:
+                    tokens += len(delta.token_ids)
+                    if wire.is_chunk(delta):
+                        yield wire.chunk_pb(delta)
+                delta = deltas[-1]
                 if not delta.finished:
                     continue
                 if delta.finish_reason == "error":
+                    if sampling.structured is not None:
+                        raise Unavailable("the engine failed the request: its KV transfer "
+                                          "failed under the 'fail' policy, or its output "
+                                          "constraint could not resume; retry the request")
                     raise Unavailable("the prompt's KV transfer failed and the KV load failure "
                                       "policy is 'fail'; retry the request")
                 report = self._report(out) if req.HasField("handle") else None
@@ -143,6 +163,71 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         finally:
             span.end()
             await stream.aclose()  # type: ignore[attr-defined]
+
+    async def _outputs(self, request_id: str, ids: list[int], params: Any, n: int
+                       ) -> AsyncIterator[tuple[Any, list[Delta]]]:
+        """The engine's outputs for one request, each with its deltas."""
+        choices = Choices() if n > 1 else None
+        async for out in self.worker.engine.generate(ids, params, request_id):
+            yield out, choices.deltas(out) if choices else [delta_of_output(out)]
+
+    async def _choices(self, request_id: str, ids: list[int], sampling: Sampling,
+                       max_tokens: int, extra: dict[str, Any], resume: int
+                       ) -> AsyncIterator[tuple[Any, list[Delta]]]:
+        """n > 1 answers from one shipped prompt KV: choice 0 loads the transfer (vLLM's
+        own parallel sampling would have every choice claim it); the others start once it
+        is in, and take the prompt's full blocks from this engine's prefix cache. Choice i
+        samples every token here with seed + i, as vLLM's parallel sampling does. The
+        last item is choice 0's final output with the request's end."""
+        engine = self.worker.engine
+        queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+        async def run(i: int) -> None:
+            seed = None if sampling.seed is None else sampling.seed + i
+            params = vllm_params(replace(sampling, n=1, seed=seed), max_tokens,
+                                 extra_args=extra if i == 0 else None, resume_tokens=resume)
+            try:
+                async for out in engine.generate(ids, params, f"{i}_{request_id}"):
+                    await queue.put((i, out))
+            except Exception as e:
+                await queue.put((i, e))
+                return
+            await queue.put((i, None))
+
+        tasks = [asyncio.create_task(run(0))]
+
+        def start_the_others() -> None:
+            if len(tasks) == 1:
+                tasks.extend(asyncio.create_task(run(i)) for i in range(1, sampling.n))
+
+        try:
+            ended, last0 = 0, None
+            finish: tuple[str | None, str | int | None] = (None, None)
+            while ended < sampling.n:
+                i, item = await queue.get()
+                if isinstance(item, Exception):
+                    raise item
+                start_the_others()  # choice 0 has an output (or ended): its KV is in
+                if item is None:
+                    ended += 1
+                    continue
+                delta = delta_of_output(item)
+                delta.index = i
+                if delta.finished:
+                    delta.choice_finish_reason, delta.choice_stop_reason = (
+                        delta.finish_reason, delta.stop_reason)
+                    delta.finished, delta.finish_reason, delta.stop_reason = False, None, None
+                    if i == 0:
+                        last0, finish = item, (delta.choice_finish_reason,
+                                               delta.choice_stop_reason)
+                yield item, [delta]
+            if last0 is None:
+                raise Aborted("the request was aborted by the server")
+            yield last0, [end_delta(last0, *finish)]
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     @staticmethod
     def _report(out: Any) -> LoadReport | None:

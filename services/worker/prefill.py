@@ -39,6 +39,9 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         checks.check_id("request_id", req.request_id)
         checks.check_id("transfer_id", req.transfer_id)
         checks.check_prompt(list(req.prompt_token_ids), self.limits, "prompt_token_ids")
+        if req.generated_tokens >= len(req.prompt_token_ids):
+            raise InvalidRequest(f"generated_tokens: {req.generated_tokens} must be fewer than "
+                                 f"the {len(req.prompt_token_ids)} prompt tokens")
         if req.sampling.max_tokens != 1:
             raise InvalidRequest(f"sampling.max_tokens: {req.sampling.max_tokens}; a prefill "
                                  "request produces exactly one token")
@@ -68,7 +71,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         kv_params = SendParams(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
                                t.fingerprint_digest, req.fault, same_host=t.same_host
                                ).to_params()
-        params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params})
+        params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params},
+                             resume_tokens=req.generated_tokens)
         prompt = list(req.prompt_token_ids)
         start_wall = time.time()
         last = None

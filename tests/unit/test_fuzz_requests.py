@@ -21,6 +21,7 @@ from services.api.openai_schema import (
     chat_request,
     completion_request,
 )
+from services.engine.structured import check_structured
 from services.errors import ClientError
 
 LIMITS = limits.Limits(served_model="m", max_model_len=128, vocab_size=1000)
@@ -95,7 +96,8 @@ JSON = st.recursive(
     max_leaves=12)
 FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "temperature",
           "top_p", "top_k", "n", "stop", "seed", "logprobs", "top_logprobs", "stream",
-          "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "echo", "user"]
+          "stream_options", "ignore_eos", "min_tokens", "presence_penalty", "echo", "user",
+          "response_format", "structured_outputs"]
 
 
 @SETTINGS
@@ -110,7 +112,9 @@ def test_any_openai_body(body: dict[str, Any], chat: bool) -> None:
     try:
         req = (chat_request(parsed, "r") if isinstance(parsed, ChatCompletionRequest)
                else completion_request(parsed, "r"))  # type: ignore[arg-type]
-        limits.check_sampling(req.sampling, LIMITS)
+        sampling = limits.check_sampling(req.sampling, LIMITS)
+        if sampling.structured is not None:
+            check_structured(sampling.structured)
     except ClientError:
         pass
 
@@ -119,3 +123,45 @@ def test_any_openai_body(body: dict[str, Any], chat: bool) -> None:
 def test_vllm_limits_on_temperature(value: float) -> None:
     with pytest.raises(ClientError, match=r"sampling\.temperature"):
         limits.check_sampling(pb.SamplingParams(temperature=value), LIMITS)
+
+
+# Schema-shaped JSON: the keywords a JSON schema uses, with any values.
+SCHEMA_KEYS = ["type", "properties", "items", "required", "enum", "const", "minLength",
+               "maxLength", "pattern", "anyOf", "oneOf", "allOf", "$ref", "$defs",
+               "additionalProperties", "minimum", "maximum", "format", "minItems"]
+SCHEMA_LIKE = st.recursive(
+    st.sampled_from(["object", "string", "integer", "number", "array", "boolean", "null"])
+    | st.integers(-5, 5) | st.booleans() | st.text(max_size=6),
+    lambda children: st.lists(children, max_size=3)
+    | st.dictionaries(st.sampled_from(SCHEMA_KEYS) | st.text(max_size=4), children,
+                      max_size=4),
+    max_leaves=10)
+CONSTRAINTS = st.one_of(
+    st.fixed_dictionaries({"json": SCHEMA_LIKE | JSON}),
+    st.fixed_dictionaries({"regex": st.text(max_size=24)}),
+    st.fixed_dictionaries({"grammar": st.text(max_size=40)
+                           | st.builds(lambda a: f'root ::= "{a}"', st.text(max_size=8))}),
+    st.fixed_dictionaries({"choice": st.lists(st.text(max_size=6), max_size=4) | JSON}),
+    st.fixed_dictionaries({"json_object": JSON}),
+    st.dictionaries(st.text(max_size=10), JSON, max_size=3),
+)
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(constraint=CONSTRAINTS, schema=SCHEMA_LIKE, openai_format=st.booleans())
+def test_any_constraint(constraint: dict[str, Any], schema: Any, openai_format: bool) -> None:
+    """Any output constraint, in either body form, is accepted (it compiles) or refused
+    with a client error naming a field; the compile check never raises anything else."""
+    body: dict[str, Any] = {"messages": [{"role": "user", "content": "x"}]}
+    if openai_format:
+        body["response_format"] = {"type": "json_schema",
+                                   "json_schema": {"name": "x", "schema": schema}}
+    else:
+        body["structured_outputs"] = constraint
+    try:
+        req = chat_request(ChatCompletionRequest.model_validate(body), "r")
+        parsed = limits.check_sampling(req.sampling, LIMITS)
+        if parsed.structured is not None:
+            check_structured(parsed.structured)
+    except ClientError as e:
+        assert e.message.split(":")[0].strip(), e.message

@@ -131,7 +131,7 @@ def test_chat_mapping() -> None:
 
 @pytest.mark.parametrize(("body", "needle"), [
     ({"prompt": ["a", "b"]}, "prompt: 2 prompts"),
-    ({"prompt": "a", "n": 2}, "n: 2"),
+    ({"prompt": "a", "n": -1}, "n: -1 is out of range"),
     ({"prompt": "a", "best_of": 3}, "best_of: not supported"),
     ({"prompt": "a", "echo": True}, "echo: not supported"),
     ({"prompt": "a", "seed": -1}, "seed: -1 is out of range"),
@@ -147,7 +147,7 @@ def test_completion_refusals(body: dict[str, Any], needle: str) -> None:
     ({"top_logprobs": 2}, "top_logprobs: needs"),
     ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]},
      "messages[0].content[0]: only text parts"),
-    ({"response_format": {"type": "json_object"}}, "response_format: not supported"),
+    ({"response_format": {"type": "structural_tag"}}, "response_format.type: 'structural_tag'"),
 ])
 def test_chat_refusals(body: dict[str, Any], needle: str) -> None:
     body = {"messages": [{"role": "user", "content": "x"}], **body}
@@ -279,7 +279,7 @@ def _check_error(resp: httpx.Response, status: int, param: str | None) -> dict[s
     ("/v1/completions", {"prompt": "hi", "max_tokens": 500}, 400, "max_tokens"),
     ("/v1/completions", {"max_tokens": 5}, 400, "prompt"),
     ("/v1/completions", {"prompt": {"a": 1}}, 400, "prompt"),
-    ("/v1/completions", {"prompt": "hi", "stream": True, "n": 3}, 400, "n"),
+    ("/v1/completions", {"prompt": "hi", "stream": True, "n": 17}, 400, "n"),
     ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"messages": [{"role": "", "content": "x"}]}, 400,
      "messages[0].role"),

@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x1c\n\rTokenIdsInput\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xec\x03\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x11\n\x04seed\x18\r \x01(\x04H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobs\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.ChatInputH\x00\x12.\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenIdsInputH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"T\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xde\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x16\n\x0erouter_queue_s\x18\x06 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x1c\n\x14kv_transfer_hidden_s\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\n \x01(\x01\"\xbd\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nmigrations\x18\x06 \x01(\r\"f\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.FinalH\x00\x42\n\n\x08response\"\x15\n\x13GetModelInfoRequest\"\xe6\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x11\n\ttokenizer\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cserving_mode\x18\t \x01(\tB\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19pdserve/v1/generate.proto\x12\npdserve.v1\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"6\n\tChatInput\x12)\n\x08messages\x18\x01 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\x1c\n\rTokenIdsInput\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xb4\x04\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\x12\n\x05top_p\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_k\x18\x03 \x01(\x05H\x02\x88\x01\x01\x12\x12\n\x05min_p\x18\x04 \x01(\x02H\x03\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x17\n\nmax_tokens\x18\x08 \x01(\x05H\x07\x88\x01\x01\x12\x12\n\nmin_tokens\x18\t \x01(\x05\x12\x0c\n\x04stop\x18\n \x03(\t\x12\x16\n\x0estop_token_ids\x18\x0b \x03(\x05\x12\x12\n\nignore_eos\x18\x0c \x01(\x08\x12\x11\n\x04seed\x18\r \x01(\x04H\x08\x88\x01\x01\x12\x15\n\x08logprobs\x18\x0e \x01(\x05H\t\x88\x01\x01\x12\x30\n\nstructured\x18\x0f \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutput\x12\x0e\n\x01n\x18\x10 \x01(\rH\n\x88\x01\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x15\n\x13_repetition_penaltyB\r\n\x0b_max_tokensB\x07\n\x05_seedB\x0b\n\t_logprobsB\x04\n\x02_n\"\x93\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x05 \x01(\x08H\x00\x42\x06\n\x04kind\"\x1a\n\x07\x43hoices\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"\xd2\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12%\n\x04\x63hat\x18\x04 \x01(\x0b\x32\x15.pdserve.v1.ChatInputH\x00\x12.\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x19.pdserve.v1.TokenIdsInputH\x00\x12,\n\x08sampling\x18\x06 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParamsB\x07\n\x05input\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"V\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"\xa9\x01\n\x05\x43hunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\r\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\"P\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x15\n\rcached_tokens\x18\x03 \x01(\r\"\xde\x01\n\x07Timings\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x11\n\tprefill_s\x18\x02 \x01(\x01\x12\x0e\n\x06ttft_s\x18\x03 \x01(\x01\x12\x10\n\x08\x64\x65\x63ode_s\x18\x04 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x05 \x01(\x01\x12\x16\n\x0erouter_queue_s\x18\x06 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x07 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x08 \x01(\x04\x12\x1c\n\x14kv_transfer_hidden_s\x18\t \x01(\x01\x12\x16\n\x0e\x64\x65\x63ode_queue_s\x18\n \x01(\x01\"\xbd\x01\n\x05\x46inal\x12/\n\rfinish_reason\x18\x01 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x02 \x01(\t\x12 \n\x05usage\x18\x03 \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x12\n\nrequest_id\x18\x05 \x01(\t\x12\x12\n\nmigrations\x18\x06 \x01(\r\"f\n\x10GenerateResponse\x12\"\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x11.pdserve.v1.ChunkH\x00\x12\"\n\x05\x66inal\x18\x02 \x01(\x0b\x32\x11.pdserve.v1.FinalH\x00\x42\n\n\x08response\"\x15\n\x13GetModelInfoRequest\"\xe6\x01\n\x14GetModelInfoResponse\x12\r\n\x05model\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\r\x12\x12\n\nvocab_size\x18\x03 \x01(\r\x12\x15\n\reos_token_ids\x18\x04 \x03(\x05\x12\x19\n\x0c\x62os_token_id\x18\x05 \x01(\x05H\x00\x88\x01\x01\x12\x19\n\x11has_chat_template\x18\x06 \x01(\x08\x12\x11\n\ttokenizer\x18\x07 \x01(\t\x12\r\n\x05\x64type\x18\x08 \x01(\t\x12\x14\n\x0cserving_mode\x18\t \x01(\tB\x0f\n\r_bos_token_id*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xaf\x01\n\x11GenerationService\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12Q\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a .pdserve.v1.GetModelInfoResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=1963
-  _globals['_FINISHREASON']._serialized_end=2083
+  _globals['_FINISHREASON']._serialized_start=2299
+  _globals['_FINISHREASON']._serialized_end=2419
   _globals['_CHATMESSAGE']._serialized_start=41
   _globals['_CHATMESSAGE']._serialized_end=85
   _globals['_CHATINPUT']._serialized_start=87
@@ -40,27 +40,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENIDSINPUT']._serialized_start=143
   _globals['_TOKENIDSINPUT']._serialized_end=171
   _globals['_SAMPLINGPARAMS']._serialized_start=174
-  _globals['_SAMPLINGPARAMS']._serialized_end=666
-  _globals['_GENERATEREQUEST']._serialized_start=669
-  _globals['_GENERATEREQUEST']._serialized_end=879
-  _globals['_TOPLOGPROB']._serialized_start=881
-  _globals['_TOPLOGPROB']._serialized_end=928
-  _globals['_TOKENLOGPROB']._serialized_start=930
-  _globals['_TOKENLOGPROB']._serialized_end=1016
-  _globals['_CHUNK']._serialized_start=1018
-  _globals['_CHUNK']._serialized_end=1102
-  _globals['_USAGE']._serialized_start=1104
-  _globals['_USAGE']._serialized_end=1184
-  _globals['_TIMINGS']._serialized_start=1187
-  _globals['_TIMINGS']._serialized_end=1409
-  _globals['_FINAL']._serialized_start=1412
-  _globals['_FINAL']._serialized_end=1601
-  _globals['_GENERATERESPONSE']._serialized_start=1603
-  _globals['_GENERATERESPONSE']._serialized_end=1705
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1707
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1728
-  _globals['_GETMODELINFORESPONSE']._serialized_start=1731
-  _globals['_GETMODELINFORESPONSE']._serialized_end=1961
-  _globals['_GENERATIONSERVICE']._serialized_start=2086
-  _globals['_GENERATIONSERVICE']._serialized_end=2261
+  _globals['_SAMPLINGPARAMS']._serialized_end=738
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=741
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=888
+  _globals['_CHOICES']._serialized_start=890
+  _globals['_CHOICES']._serialized_end=916
+  _globals['_GENERATEREQUEST']._serialized_start=919
+  _globals['_GENERATEREQUEST']._serialized_end=1129
+  _globals['_TOPLOGPROB']._serialized_start=1131
+  _globals['_TOPLOGPROB']._serialized_end=1178
+  _globals['_TOKENLOGPROB']._serialized_start=1180
+  _globals['_TOKENLOGPROB']._serialized_end=1266
+  _globals['_CHUNK']._serialized_start=1269
+  _globals['_CHUNK']._serialized_end=1438
+  _globals['_USAGE']._serialized_start=1440
+  _globals['_USAGE']._serialized_end=1520
+  _globals['_TIMINGS']._serialized_start=1523
+  _globals['_TIMINGS']._serialized_end=1745
+  _globals['_FINAL']._serialized_start=1748
+  _globals['_FINAL']._serialized_end=1937
+  _globals['_GENERATERESPONSE']._serialized_start=1939
+  _globals['_GENERATERESPONSE']._serialized_end=2041
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2043
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2064
+  _globals['_GETMODELINFORESPONSE']._serialized_start=2067
+  _globals['_GETMODELINFORESPONSE']._serialized_end=2297
+  _globals['_GENERATIONSERVICE']._serialized_start=2422
+  _globals['_GENERATIONSERVICE']._serialized_end=2597
 # @@protoc_insertion_point(module_scope)

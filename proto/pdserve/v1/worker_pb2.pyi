@@ -88,20 +88,22 @@ class TransferHandle(_message.Message):
     def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TARGET_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
     target: KVTarget
     transfer_id: str
     fault: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_token_text", "logprobs", "finished", "finish_reason", "stop_reason", "handle", "queue_s", "prefill_s", "cached_tokens")
@@ -138,17 +140,19 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "handle", "fault")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "handle", "fault", "generated_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
+    GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
     sampling: _generate_pb2.SamplingParams
     handle: TransferHandle
     fault: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., fault: _Optional[str] = ...) -> None: ...
+    generated_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
