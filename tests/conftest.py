@@ -71,23 +71,15 @@ async def colocated(model_path: Path, session_dir: Path,
                     offline_reference_proc: object) -> AsyncIterator[ServerProcess]:
     server = ServerProcess(["--mode", "colocated", "--kv-cache-gib", "1"],
                            session_dir / "colocated.log")
-    server.start()
-    try:
-        await server.wait_ready()
+    async with server.running():
         yield server
-    finally:
-        server.stop()
 
 
 async def start_disagg(session_dir: Path, transport: str, *extra: str,
                        ) -> AsyncIterator[DisaggStack]:
     stack = DisaggStack.create(session_dir / f"disagg-{transport}.log", transport, *extra)
-    stack.server.start()
-    try:
-        await stack.server.wait_ready(timeout=600)
+    async with stack.server.running(timeout=600):
         yield stack
-    finally:
-        stack.server.stop()
 
 
 @pytest.fixture(scope="module")

@@ -10,6 +10,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -65,6 +67,16 @@ class ServerProcess:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"server not ready:\n{self.log_tail()}")
                 await asyncio.sleep(0.5)
+
+    @asynccontextmanager
+    async def running(self, timeout: float = 300.0) -> AsyncIterator[ServerProcess]:
+        """Started and ready for the block; stopped after it, whatever happened."""
+        self.start()
+        try:
+            await self.wait_ready(timeout=timeout)
+            yield self
+        finally:
+            self.stop()
 
     def log_tail(self, n: int = 40) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])

@@ -215,12 +215,8 @@ async def stack(model_path: Path, session_dir: Path) -> AsyncIterator[DisaggStac
     prefill engine instead of being prefilled in one step."""
     stack = DisaggStack.create(session_dir / "bench-disagg.log", "grpc", "--no-pin-scheduler",
                                "--max-num-batched-tokens", "256")
-    stack.server.start()
-    try:
-        await stack.server.wait_ready(timeout=600)
+    async with stack.server.running(timeout=600):
         yield stack
-    finally:
-        stack.server.stop()
 
 
 async def bench(*argv: str) -> tuple[int, str]:

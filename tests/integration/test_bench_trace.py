@@ -115,12 +115,8 @@ async def colocated_stack(model_path: Path, session_dir: Path,
     """A colocated engine with prefix caching on (pdserve's default)."""
     server = ServerProcess(["--mode", "colocated", "--kv-cache-gib", "1"],
                            session_dir / "bench-trace-colocated.log")
-    server.start()
-    try:
-        await server.wait_ready(timeout=600)
+    async with server.running(timeout=600):
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.mark.engine

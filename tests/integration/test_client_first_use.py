@@ -41,12 +41,8 @@ async def server(
         session_dir / "first-use.log",
         env={"TORCHINDUCTOR_CACHE_DIR": str(inductor_cache)},
     )
-    server.start()
-    try:
-        await server.wait_ready()
+    async with server.running():
         yield server
-    finally:
-        server.stop()
 
 
 def compiled(cache: Path) -> set[str]:

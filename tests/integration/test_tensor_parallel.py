@@ -109,12 +109,8 @@ async def disagg(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
                  ) -> AsyncIterator[DisaggStack]:
     stack = DisaggStack.create(tmp_path_factory.mktemp("tp-disagg") / "disagg.log", "grpc",
                                "--model", str(tiny_model), "--max-model-len", "512")
-    stack.server.start()
-    try:
-        await stack.server.wait_ready(timeout=600)
+    async with stack.server.running(timeout=600):
         yield stack
-    finally:
-        stack.server.stop()
 
 
 async def test_disagg_tp1_on_any_model_folder_gives_the_colocated_tokens(

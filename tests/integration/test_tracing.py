@@ -50,12 +50,8 @@ async def traced(model_path: Path, session_dir: Path, receiver: OtlpReceiver,
     stack.server.env = {"OTEL_BSP_SCHEDULE_DELAY": "100",
                         # the workers sign their records in Redis
                         "PDSERVE_CLUSTER_SECRET": "tracing-tests-cluster-secret"}
-    stack.server.start()
-    try:
-        await stack.server.wait_ready(timeout=600)
+    async with stack.server.running(timeout=600):
         yield stack
-    finally:
-        stack.server.stop()
 
 
 def spans_of(receiver: OtlpReceiver, request_id: str) -> dict[str, Received]:
