@@ -165,6 +165,82 @@ def _predict(args: argparse.Namespace) -> int:
     return 0
 
 
+def _shape_args(args: argparse.Namespace) -> tuple[Any, Any, Any, tuple[bool, ...]]:
+    """--model's shapes: the model, the GPU kind, the speculative decoding assumed and the
+    modes to rank (off, on, or both)."""
+    from services.plan.shapes import GPUS, MODELS, SpecDecode
+
+    spec = SpecDecode(args.spec_tokens_per_step, args.spec_draft_tokens, args.spec_draft_cost)
+    modes = {"off": (False,), "on": (True,), "both": (False, True)}[args.spec_decode]
+    for name, value in (("--prefill-tp", args.prefill_tp), ("--decode-tp", args.decode_tp)):
+        if not value or 0 in value:
+            raise ValueError(f"{name} needs tensor-parallel sizes >= 1, e.g. 1,2,4,8")
+    return MODELS[args.model], GPUS[args.gpu], spec, modes
+
+
+def _predict_shapes(args: argparse.Namespace) -> int:
+    """`plan predict --model`: rank (P at TP a x m, D at TP b x n) fleets of --units GPUs
+    by predicted goodput per GPU (services/plan/shapes.py)."""
+    from services.plan.configs import helm_values, to_yaml, up_flags
+    from services.plan.predict import predict_all, schedule
+    from services.plan.shapes import plan_shapes, profile_for, rank_shapes
+
+    model, gpu, spec, modes = _shape_args(args)
+    rates = list(args.rates)
+    if any(math.isinf(r) for r in rates):
+        raise ValueError("predictions need finite rates")
+    slos, also = parse_slos(args.slo), parse_slos(args.also_slo) if args.also_slo else None
+    n = request_count(args, rates)
+    workload = workload_config(args, min(n, 10_000))
+    arrivals = arrival_config(args, rates[0])
+    requests, _ = schedule(workload, arrivals, n)
+    longest = max(r.prompt + r.out for r in requests)
+    units = args.units or gpu.node_gpus
+    plan = plan_shapes(model, gpu, units, args.prefill_tp, args.decode_tp, longest, spec,
+                       modes, args.min_batch)
+    print(f"{model.name} on {units} x {gpu.name}; longest request {longest} tokens"
+          + (f"; speculative decoding assumed at {spec.tokens_per_step:g} tokens per step "
+             f"({spec.draft_tokens} drafted, drafting {spec.draft_cost:.0%} of a step)"
+             if any(modes) else ""))
+    for bad in plan.infeasible:
+        print(f"infeasible: {bad['role']} at TP {bad['tp']}: {bad['reason']}")
+    if not plan.configs:
+        raise ValueError(f"no shape of {model.name} fits {units} x {gpu.name}: see the "
+                         "reasons above (more GPUs, or larger --prefill-tp/--decode-tp)")
+    profile = profile_for(model, gpu)
+    predictions, took = predict_all(plan.configs, profile, workload, arrivals, rates, n,
+                                    slos, also, args.drain_timeout, not args.no_progress)
+    rows = [p.row() for p in predictions]
+    ranked = rank_shapes(rows, plan.shapes)
+    print(f"\n{len(plan.configs)} configurations x {len(rates)} rates simulated in "
+          f"{took:.1f} s; PREDICTED (no GPU ran this), at each one's best rate:")
+    print(f"{'#':>3} {'configuration':<26} {'prefill':<10} {'decode':<10} {'spec':<4} "
+          f"{'GPUs':>4} {'goodput/GPU':>11} {'rate':>6} {'TTFT p50':>8} {'p99':>7} "
+          f"{'ITL p50':>7} {'p99':>7}")
+    for i, r in enumerate(ranked[:args.top], 1):
+        print(f"{i:>3} {r['config']:<26} {r['prefill']:<10} {r['decode']:<10} {r['spec']:<4} "
+              f"{r['gpus']:>4} {r['goodput_per_gpu']:>11.3f} {r['rate']:>6g} "
+              f"{_s(r['ttft_p50']):>8} {_s(r['ttft_p99']):>7} {_s(r['itl_p50']):>7} "
+              f"{_s(r['itl_p99']):>7}")
+    chosen = next(c for c in plan.configs if c.name == ranked[0]["config"])
+    print(f"\nrecommended: {chosen.name}\n  " + " ".join(up_flags(chosen, profile)))
+    print("Helm values:\n" + to_yaml(helm_values(chosen, profile), 2))
+    if plan.shapes[chosen.name].spec:
+        print("  (and speculative decoding on the decode workers: --speculative-config)")
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps({
+            "model": args.model, "gpu": args.gpu, "gpus": units, "rates": rates,
+            "slos": slos.as_dict(), "also_slos": also.as_dict() if also else None,
+            "spec_decode": {"modes": args.spec_decode, **dataclasses.asdict(spec)},
+            "longest_request": longest, "seconds": took, "predictions": rows,
+            "shapes": ranked, "infeasible": plan.infeasible,
+            "recommended": {"config": chosen.name, "up": up_flags(chosen, profile),
+                            "helm": helm_values(chosen, profile)}}, indent=2) + "\n")
+        print(f"wrote {args.json}")
+    return 0
+
+
 def _guarded(body: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
     """Bad input and unreadable files end with a message and exit code 2, not a trace."""
     try:
@@ -179,7 +255,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    return _guarded(_predict, args)
+    return _guarded(_predict_shapes if args.model else _predict, args)
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -243,6 +319,33 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                       "(local_prefill_max_tokens)")
     pred.add_argument("--transport", default="grpc", choices=["grpc", "torch", "nixl"],
                       help="KV transport of disaggregated configurations")
+    from services.plan.shapes import GPUS, MODELS
+
+    shapes = pred.add_argument_group(
+        "shapes", "with --model, rank (prefill at TP a x m, decode at TP b x n) fleets of "
+        "--units GPUs by predicted goodput per GPU, from the model's architecture and the "
+        "GPU's datasheet instead of a profile (services/plan/shapes.py)")
+    shapes.add_argument("--model", default=None, choices=list(MODELS),
+                        help="plan tensor-parallel shapes for this model (default: none: "
+                        "the configurations of --profile)")
+    shapes.add_argument("--gpu", default="h100", choices=list(GPUS), help="GPU kind")
+    shapes.add_argument("--prefill-tp", type=_ints, default=(1, 2, 4, 8), metavar="N,N",
+                        help="prefill tensor-parallel sizes to try")
+    shapes.add_argument("--decode-tp", type=_ints, default=(1, 2, 4, 8), metavar="N,N",
+                        help="decode tensor-parallel sizes to try")
+    shapes.add_argument("--min-batch", type=int, default=8,
+                        help="a decode shape must hold this many of the longest requests' KV")
+    shapes.add_argument("--spec-decode", default="off", choices=["off", "on", "both"],
+                        help="speculative decoding on the decode workers (both: rank each "
+                        "shape with and without)")
+    shapes.add_argument("--spec-tokens-per-step", type=float, default=2.0,
+                        help="assumed mean tokens a speculative step emits per sequence "
+                        "(accepted drafts + 1); measure your drafter's acceptance")
+    shapes.add_argument("--spec-draft-tokens", type=int, default=3,
+                        help="draft tokens verified per step")
+    shapes.add_argument("--spec-draft-cost", type=float, default=0.1,
+                        help="drafting's cost as a share of a decode step's fixed cost")
+    shapes.add_argument("--top", type=int, default=10, help="configurations to print")
     add_workload_args(pred)
     add_arrival_args(pred, sweep=True)
     pred.add_argument("--slo", action="append", default=[], metavar="NAME=SECONDS",

@@ -82,6 +82,11 @@ def up_flags(cfg: FleetConfig, profile: Profile) -> list[str]:
         if cfg.prefill:
             flags += ["--prefill-cores", _cores(0, p_units)]
         flags += ["--decode-cores", _cores(p_units, cfg.decode.units)]
+    else:  # a GPU engine's units are its tensor-parallel ranks
+        if cfg.prefill and cfg.prefill.units > 1:
+            flags += ["--prefill-tp", str(cfg.prefill.units)]
+        if cfg.decode.units > 1:
+            flags += ["--decode-tp", str(cfg.decode.units)]
     return flags
 
 
@@ -109,6 +114,8 @@ def helm_values(cfg: FleetConfig, profile: Profile) -> dict[str, Any]:
         for role, pool in (("prefill", cfg.prefill), ("decode", cfg.decode)):
             if pool is not None:
                 values[role]["resources"] = {"limits": {"nvidia.com/gpu": pool.units}}
+                if pool.units > 1:  # the chart wants one GPU per rank
+                    values[role]["tensorParallelSize"] = pool.units
     return values
 
 

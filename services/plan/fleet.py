@@ -22,9 +22,10 @@ transport.
 from __future__ import annotations
 
 import heapq
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from services.plan.costmodel import Profile
+from services.plan.costmodel import Profile, StepCost
 from services.plan.engine_model import EngineLimits, EngineSim, Job
 
 ARRIVE, STEP, KV_READY = 0, 1, 2
@@ -32,12 +33,15 @@ ARRIVE, STEP, KV_READY = 0, 1, 2
 
 @dataclass(slots=True, frozen=True)
 class PoolSpec:
-    """``engines`` engines of ``units`` cores (or GPUs) each."""
+    """``engines`` engines of ``units`` cores (or GPUs) each; ``cost`` and
+    ``kv_cache_tokens`` replace the profile's for this pool (a TP shape's, shapes.py)."""
 
     engines: int
     units: int
     max_num_batched_tokens: int = 0  # 0: the profile's default budget
     long_prefill_token_threshold: int = 0  # 0: no cap on one prompt's tokens per step
+    cost: StepCost | None = None  # None: the profile's for ``units``
+    kv_cache_tokens: int = 0  # 0: the profile's
 
 
 @dataclass(slots=True, frozen=True)
@@ -50,6 +54,9 @@ class FleetConfig:
     local_prefill_max_tokens: int = 0
     transport: str = "grpc"
     saturated_queue_tokens: int = 8192
+    # Seconds to move a prompt's KV (its tokens in, per rank: shapes.py); None: the
+    # whole payload over the profile's transport.
+    kv_transfer_s: Callable[[int], float] | None = None
 
     @property
     def units(self) -> int:
@@ -121,9 +128,10 @@ class Fleet:
     def _engine(self, pool: PoolSpec, name: str) -> EngineSim:
         limits = EngineLimits(pool.max_num_batched_tokens
                               or self.profile.default_max_num_batched_tokens,
-                              self.profile.max_num_seqs, self.profile.kv_cache_tokens,
+                              self.profile.max_num_seqs,
+                              pool.kv_cache_tokens or self.profile.kv_cache_tokens,
                               pool.long_prefill_token_threshold)
-        return EngineSim(self.profile.cost(pool.units), limits, name)
+        return EngineSim(pool.cost or self.profile.cost(pool.units), limits, name)
 
     def _push(self, time: float, kind: int, arg: int) -> None:
         self._seq += 1
@@ -170,7 +178,10 @@ class Fleet:
             return
         transport = self.profile.transports[self.transport]
         nbytes = req.prompt * self.profile.kv_bytes_per_token
-        whole = transport.transfer_s(nbytes)
+        if self.config.kv_transfer_s is not None:
+            whole = self.config.kv_transfer_s(req.prompt)
+        else:
+            whole = transport.transfer_s(nbytes)
         layers = max(1, int(self.profile.model.get("layers", 1)))
         ready = max(job.scheduled_at + whole, end + whole / layers)
         stall = transport.receiver_cpu_s_per_gb * nbytes / 1e9
@@ -209,7 +220,7 @@ class Fleet:
         self.results = [SimResult(r) for r in requests]
         self._flights: dict[int, _Flight] = {}
         self._pending: dict[int, Job] = {}
-        capacity = self.profile.kv_cache_tokens
+        capacity = min(e.limits.kv_cache_tokens for e in self.engines)
         for i, r in enumerate(requests):
             self._push(r.send_s, ARRIVE, i)
         while self._heap:
