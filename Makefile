@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 PROTOS := $(wildcard proto/pdserve/v1/*.proto)
 
-.PHONY: help setup system-deps proto model run test test-unit gpu-check lint clean
+.PHONY: help setup system-deps proto model run test test-slow test-unit gpu-check images test-containers lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -53,14 +53,29 @@ model: $(VENV)/.installed  ## prepare the default model (cached; nothing downloa
 run: setup  ## start the stack (Ray, Redis, router, prefill + decode) and stream an answer
 	$(VENV)/bin/pdserve demo --mode up --prompt "$(PROMPT)"
 
-test: setup  ## the whole test suite (starts real vLLM engines, redis-server, gRPC servers)
-	$(PY) -m pytest tests
+test: setup  ## the test suite (starts real vLLM engines, redis-server, gRPC servers), all but the slow modules
+	$(PY) -m pytest tests -m "not slow" --durations=15
+
+# Modules marked `slow` start stacks of their own (local Ray, several engines) for
+# properties `make test` checks in part on shared stacks: `pdserve up` end to end, tensor
+# parallelism, the docs' blocks, the bench harness, a secured and a traced stack.
+test-slow: setup  ## the slow modules: whole `pdserve up` stacks, TP engines, docs blocks, bench runs
+	$(PY) -m pytest tests -m slow --durations=15
 
 test-unit: $(VENV)/.installed  ## fast tests of pure logic only
 	$(PY) -m pytest tests/unit
 
 gpu-check:  ## GPU machines: the gpu extra (.venv-gpu), then the GPU tests, one line each; CPU: says so
 	scripts/gpu_check.sh
+
+# Containers: slow (an image build, then whole stacks of containers), so not in `make test`.
+images:  ## build the CPU image localhost/pdserve:cpu with docker, podman or buildah (PYTHON_IMAGE=, TORCH_INDEX=)
+	scripts/build_images.sh
+
+# Fails, rather than skips, where no engine can run the image: a run that checked nothing
+# must not pass.
+test-containers: $(VENV)/.installed images  ## the image as containers: a stack, compose, the chart under podman kube play
+	PDSERVE_REQUIRE_CONTAINERS=1 $(PY) -m pytest -m container tests/containers
 
 lint:  ## ruff + mypy on services/
 	$(VENV)/bin/ruff check services tests benchmarks

@@ -19,6 +19,8 @@ MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_CHARS = 256
 MAX_STOP_TOKEN_IDS = 64
 MAX_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0  # a bias is in [-100, 100], as OpenAI's API documents it
+MAX_LOGIT_BIAS_TOKENS = 1024  # entries of one request's logit_bias
 MAX_TEMPERATURE = 2.0  # OpenAI's and vLLM's servers' bound
 MAX_SEED = 2**63 - 1  # vLLM seeds a torch generator: a signed 64-bit integer
 # Output constraints: the text of a schema, regex or grammar, and the choices. A
@@ -108,6 +110,16 @@ def check_sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
             raise invalid(f"sampling.logprobs: {s.logprobs} must be in [0, {MAX_LOGPROBS}]")
         logprobs = s.logprobs
     structured = check_structured_form(s.structured) if s.HasField("structured") else None
+    if len(s.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+        raise invalid(f"sampling.logit_bias: {len(s.logit_bias)} tokens; at most "
+                      f"{MAX_LOGIT_BIAS_TOKENS}")
+    for token, bias in s.logit_bias.items():
+        if not 0 <= token < limits.vocab_size:
+            raise invalid(f"sampling.logit_bias: token {token} is outside the vocabulary "
+                          f"(0..{limits.vocab_size - 1})")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            raise invalid(f"sampling.logit_bias: the bias of token {token} ({bias}) must be in "
+                          f"[-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
     n = 1
     if s.HasField("n"):
         if not 1 <= s.n <= MAX_N:
@@ -125,7 +137,9 @@ def check_sampling(s: pb.SamplingParams, limits: Limits) -> Sampling:
         repetition_penalty=repetition,
         max_tokens=s.max_tokens if s.HasField("max_tokens") else None,
         min_tokens=s.min_tokens, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos, seed=seed, logprobs=logprobs, structured=structured, n=n)
+        ignore_eos=s.ignore_eos, seed=seed, logprobs=logprobs, structured=structured, n=n,
+        logit_bias=tuple(sorted(s.logit_bias.items())),
+        include_stop_str_in_output=s.include_stop_str_in_output)
 
 
 def check_structured_form(st: pb.StructuredOutput) -> Structured | None:

@@ -10,7 +10,7 @@ from typing import Any
 
 # Fields whose empty value means "not asked for" (vLLM gets them only when set).
 _UNSET: dict[str, Any] = {"stop": (), "stop_token_ids": (), "ignore_eos": False, "min_tokens": 0,
-                          "n": 1}
+                          "n": 1, "logit_bias": (), "include_stop_str_in_output": False}
 
 
 STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
@@ -54,6 +54,8 @@ class Sampling:
     logprobs: int | None = None  # top log-probabilities per token
     structured: Structured | None = None  # an output constraint
     n: int = 1  # answers (choices) to the one prompt; choice i samples with seed + i
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ordered by token id
+    include_stop_str_in_output: bool = False
 
     def vllm_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for vLLM's SamplingParams, without max_tokens and the
@@ -65,6 +67,8 @@ class Sampling:
                     or _UNSET.get(f.name, ...) == value):
                 continue
             out[f.name] = list(value) if isinstance(value, tuple) else value
+        if self.logit_bias:
+            out["logit_bias"] = dict(self.logit_bias)
         return out
 
 
@@ -102,6 +106,9 @@ class GenerationRequest:
     # The last `generated_tokens` of prompt_token_ids are the answer so far (a request
     # resumed elsewhere): an output constraint resumes after them instead of restarting.
     generated_tokens: int = 0
+    # The LoRA adapter the request names as its model ("" = the base model): prefill and
+    # decode both run under it, as the KV they hand over was computed with it.
+    lora: str = ""
 
     def continued(self, generated: list[int]) -> GenerationRequest:
         """The same request resumed after `generated` tokens (a migration): those tokens

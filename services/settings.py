@@ -35,6 +35,19 @@ EXPOSED_DEST = "settings_exposed"
 ADVANCED_TITLE = "advanced"
 # The marker of an expert knob on a settings field (read, never modified).
 ADVANCED: dict[str, Any] = {"advanced": True}
+# String fields that hold a list: their flag may be repeated and take several values,
+# joined with commas, and goes by these spellings too (vLLM's, for its users).
+LIST_FLAGS: dict[str, tuple[str, ...]] = {"lora_modules": ("--lora",)}
+
+
+class _JoinValues(argparse.Action):
+    """Each use of the flag adds its values to the comma-separated list so far."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        before = getattr(namespace, self.dest, None)
+        items = [before] if isinstance(before, str) and before else []
+        setattr(namespace, self.dest, ",".join([*items, *values]))
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,6 +144,10 @@ def add_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings],
         if base is bool:
             target.add_argument(flag_name(name), action=argparse.BooleanOptionalAction,
                                 **kwargs)
+            continue
+        if name in LIST_FLAGS:
+            target.add_argument(*LIST_FLAGS[name], flag_name(name), metavar="NAME=PATH",
+                                nargs="+", action=_JoinValues, **kwargs)
             continue
         if typing.get_origin(base) is typing.Literal:
             kwargs["choices"] = list(typing.get_args(base))

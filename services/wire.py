@@ -41,6 +41,8 @@ def sampling_pb(s: Sampling, max_tokens: int, min_tokens: int) -> pb.SamplingPar
         out.structured.CopyFrom(structured_pb(s.structured))
     if s.n != 1:
         out.n = s.n
+    out.logit_bias.update(dict(s.logit_bias))
+    out.include_stop_str_in_output = s.include_stop_str_in_output
     return out
 
 

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Protocol
 
 from services.engine.engine import Engine, ModelFacts
 from services.engine.outputs import Choices, delta_of_output, vllm_params
+from services.errors import InvalidRequest
 from services.messages import Delta, GenerationRequest
 
 if TYPE_CHECKING:
@@ -30,6 +31,19 @@ class Backend(Protocol):
         `services.errors.PdserveError`; closing the stream aborts the request."""
         ...
 
+    def adapter_paths(self) -> dict[str, str]:
+        """The LoRA adapters a request may name as its model: name -> folder."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load a LoRA adapter: `InvalidRequest` names what is wrong with the folder, or
+        that the name is taken."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload a LoRA adapter (`ModelNotFound`: none by that name)."""
+        ...
+
 
 class ColocatedBackend:
     """One engine does prefill and decode: plain vLLM behind the public API."""
@@ -47,9 +61,21 @@ class ColocatedBackend:
     def tokenizer(self) -> PreTrainedTokenizerBase:
         return self.engine.tokenizer
 
+    def adapter_paths(self) -> dict[str, str]:
+        return self.engine.adapter_paths()
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        if not await self.engine.add_adapter(name, path):
+            raise InvalidRequest(f"lora_name: the LoRA adapter {name!r} is already loaded; "
+                                 "unload it first to load it from another folder")
+
+    async def unload_adapter(self, name: str) -> None:
+        await self.engine.remove_adapter(name)
+
     async def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         params = vllm_params(req.sampling, req.max_tokens)
-        stream = self.engine.generate(req.prompt_token_ids, params, req.request_id)
+        stream = self.engine.generate(req.prompt_token_ids, params, req.request_id,
+                                      self.engine.lora_request(req.lora))
         if req.sampling.n == 1:
             async for output in stream:
                 yield delta_of_output(output)

@@ -1,6 +1,7 @@
 """One answer in OpenAI's response format, built from the backend's deltas: the streamed
 chunks, or the whole response, of `/v1/completions` and `/v1/chat/completions`, with
-usage, logprobs and pdserve's timing anatomy as an extension field (`pdserve`)."""
+usage, logprobs, tool calls (`services/api/tools.py` reads them out of the text, the same
+way streamed or not) and pdserve's timing anatomy as an extension field (`pdserve`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from services.api.tools import CallStream, Parsed, ToolPlan
 from services.messages import Delta, TokenLogprob
 
 if TYPE_CHECKING:
@@ -32,6 +34,8 @@ class Choice:
     stop_reason: str | int | None = None
     logprob_parts: list[dict[str, Any]] = field(default_factory=list)
     text_offset: int = 0  # completions' logprobs count characters from the answer's start
+    calls: CallStream | None = None  # reads tool calls out of the text, when asked for
+    content: list[str] = field(default_factory=list)  # the text outside tool calls
 
 
 @dataclass
@@ -47,6 +51,8 @@ class Answer:
     tokenizer: PreTrainedTokenizerBase
     top_logprobs: int | None = None  # logprobs asked for; None: not asked
     n: int = 1  # choices
+    tools: ToolPlan | None = None  # chat: how the answer calls tools
+    echo: str = ""  # completions' `echo`: the prompt's text, which the answer starts with
     created: int = field(default_factory=lambda: int(time.time()))
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -58,7 +64,8 @@ class Answer:
 
     def choice(self, index: int) -> Choice:
         if index not in self.choices:
-            self.choices[index] = Choice()
+            calls = self.tools.stream() if self.tools and self.tools.reads_calls else None
+            self.choices[index] = Choice(calls=calls)
         return self.choices[index]
 
     @property
@@ -78,6 +85,35 @@ class Answer:
         """A chat stream's first choices: the assistant's role, no content yet."""
         return [{"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                  "finish_reason": None} for i in range(self.n)]
+
+    def echo_choices(self) -> list[dict[str, Any]]:
+        """A completions stream's first choices with `echo`: the prompt's text."""
+        return [{"index": i, "text": self.echo, "logprobs": None, "finish_reason": None,
+                 "stop_reason": None} for i in range(self.n)]
+
+    def _tool_delta(self, c: Choice, text: str, ended: bool) -> dict[str, Any]:
+        """A chat delta's content and tool calls, read out of `text`."""
+        assert c.calls is not None
+        parsed = c.calls.feed(text)
+        if ended:
+            last = c.calls.finish()
+            parsed = Parsed(parsed.content + last.content, parsed.tool_calls + last.tool_calls)
+        c.content.append(parsed.content)
+        out: dict[str, Any] = {}
+        if parsed.content:
+            out["content"] = parsed.content
+        if parsed.tool_calls:
+            out["tool_calls"] = parsed.tool_calls
+        return out
+
+    def _finish_reason(self, c: Choice, reason: str | None) -> str | None:
+        """OpenAI's (and vLLM's): an answer that ended by calling tools it chose
+        (auto) or had to call (required) ends with "tool_calls"; a named call's ends
+        as any answer."""
+        if (reason == "stop" and c.calls is not None and c.calls.tool_calls()
+                and self.tools is not None and self.tools.choice in ("auto", "required")):
+            return "tool_calls"
+        return reason
 
     def add(self, delta: Delta) -> dict[str, Any] | None:
         """The streamed choice for `delta`; None for the end of an n > 1 request, whose
@@ -102,7 +138,10 @@ class Answer:
         elif delta.choice_finish_reason is not None:
             c.finish_reason, c.stop_reason = delta.choice_finish_reason, delta.choice_stop_reason
         choice: dict[str, Any] = {"index": delta.index}
-        if self.chat:
+        if self.chat and c.calls is not None:
+            choice["delta"] = self._tool_delta(c, delta.text, c.finish_reason is not None)
+            c.finish_reason = self._finish_reason(c, c.finish_reason)
+        elif self.chat:
             choice["delta"] = {"content": delta.text} if delta.text else {}
         else:
             choice["text"] = delta.text
@@ -136,10 +175,17 @@ class Answer:
             c = self.choice(i)
             text = "".join(c.texts)
             choice: dict[str, Any] = {"index": i}
-            if self.chat:
+            if self.chat and c.calls is not None:
+                content, calls = "".join(c.content), c.calls.tool_calls()
+                choice["message"] = {"role": "assistant",
+                                     "content": None if calls and not content.strip()
+                                     else content}
+                if calls:
+                    choice["message"]["tool_calls"] = calls
+            elif self.chat:
                 choice["message"] = {"role": "assistant", "content": text}
             else:
-                choice["text"] = text
+                choice["text"] = self.echo + text
             choice.update(logprobs=_merged_logprobs(c), finish_reason=c.finish_reason,
                           stop_reason=c.stop_reason)
             choices.append(choice)

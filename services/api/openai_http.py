@@ -27,9 +27,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException
 from starlette.types import Receive, Scope, Send
 
+from pdserve.v1 import generate_pb2 as pb
 from services.api.backend import Backend
 from services.api.openai_answer import Answer
 from services.api.openai_schema import (
@@ -39,8 +41,10 @@ from services.api.openai_schema import (
     completion_request,
     error_body,
     openai_error,
+    tool_plan,
 )
 from services.api.prepare import limits_of, prepare
+from services.api.servicer import lora_loaded, lora_unloaded
 from services.errors import (
     Aborted,
     InvalidRequest,
@@ -171,6 +175,8 @@ async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
         async for delta in deltas:
             if not started and answer.chat:
                 yield sse(answer.chunk(answer.role_choices()))
+            elif not started and answer.echo:
+                yield sse(answer.chunk(answer.echo_choices()))
             started = True
             choice = answer.add(delta)
             # The timing anatomy rides on the usage chunk, or else on the last chunk.
@@ -193,29 +199,37 @@ async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
 class OpenAIFront:
     """The endpoints' logic over one backend."""
 
-    def __init__(self, backend: Backend) -> None:
+    def __init__(self, backend: Backend, tool_parser: str | None = None) -> None:
         self.backend = backend
         self.limits = limits_of(backend.facts)
         self.created = int(time.time())
+        self.tool_parser = tool_parser  # `tool_choice: auto`'s parser; None: auto is off
 
     async def generate(self, request: Request,
                        body: CompletionRequest | ChatCompletionRequest) -> Response:
         started, chat = time.monotonic(), isinstance(body, ChatCompletionRequest)
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        tools = None
         try:
-            public = (chat_request(body, request_id) if isinstance(body, ChatCompletionRequest)
-                      else completion_request(body, request_id))
+            if isinstance(body, ChatCompletionRequest):
+                tools = tool_plan(body, self.tool_parser)
+                public = chat_request(body, request_id, tools)
+            else:
+                public = completion_request(body, request_id)
             req = prepare(public, self.limits, self.backend.tokenizer, request_timeout(request),
-                          client_id(request.headers.get("x-client-id", "")))
+                          client_id(request.headers.get("x-client-id", "")),
+                          adapters=self.backend.adapter_paths())
             if tracing.enabled():  # the client's traceparent header: its trace continues
                 req = replace(req, trace_headers=tracing.carried(request.headers.items()))
         except PdserveError as e:
             return error_response(e, chat, body.structured_param)
-        answer = Answer(chat=chat, request_id=request_id, model=self.limits.served_model,
+        answer = Answer(chat=chat, request_id=request_id,
+                        model=req.lora or self.limits.served_model,
                         started=started, prompt_tokens=len(req.prompt_token_ids),
                         tokenizer=self.backend.tokenizer, n=req.sampling.n,
                         top_logprobs=public.sampling.logprobs
-                        if public.sampling.HasField("logprobs") else None)
+                        if public.sampling.HasField("logprobs") else None, tools=tools,
+                        echo=self._echo(body, public, req))
         deltas = deltas_of(self.backend, req)
         headers = {"X-Request-Id": request_id}
         if body.stream:
@@ -231,12 +245,53 @@ class OpenAIFront:
         headers["x-pdserve-timings"] = json.dumps(answer.timings(), separators=(",", ":"))
         return JSONResponse(answer.response(), headers=headers)
 
+    def _echo(self, body: CompletionRequest | ChatCompletionRequest,
+              public: pb.GenerateRequest, req: GenerationRequest) -> str:
+        """Completions' `echo`: the prompt as sent, or its token ids' text."""
+        if not isinstance(body, CompletionRequest) or not body.echo:
+            return ""
+        if public.WhichOneof("input") == "text":
+            return public.text
+        return str(self.backend.tokenizer.decode(req.prompt_token_ids))
+
     def models(self) -> dict[str, Any]:
+        base = self.limits.served_model
+        # LoRA adapters as vLLM lists them: root = their folder, parent = the base model.
         return {"object": "list", "data": [{
-            "id": self.limits.served_model, "object": "model", "created": self.created,
-            "owned_by": "pdserve", "root": self.limits.served_model, "parent": None,
-            "max_model_len": self.limits.max_model_len,
-        }]}
+            "id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
+            "root": root, "parent": parent, "max_model_len": self.limits.max_model_len,
+        } for name, root, parent in [(base, base, None), *(
+            (name, path, base) for name, path in self.backend.adapter_paths().items())]]}
+
+    async def load_adapter(self, body: LoadLoraAdapterBody) -> Response:
+        """POST /v1/load_lora_adapter, as vLLM: 200 with its text, or an error body."""
+        try:
+            if not body.lora_name or not body.lora_path:
+                raise InvalidRequest("Both 'lora_name' and 'lora_path' must be provided.")
+            await self.backend.load_adapter(body.lora_name, body.lora_path)
+        except PdserveError as e:
+            return error_response(e, chat=False)
+        return Response(lora_loaded(body.lora_name), status_code=200)
+
+    async def unload_adapter(self, body: UnloadLoraAdapterBody) -> Response:
+        """POST /v1/unload_lora_adapter, as vLLM: 200 with its text, 404 when unknown."""
+        try:
+            if not body.lora_name:
+                raise InvalidRequest("'lora_name' needs to be provided to unload a LoRA "
+                                     "adapter.")
+            await self.backend.unload_adapter(body.lora_name)
+        except PdserveError as e:
+            return error_response(e, chat=False)
+        return Response(lora_unloaded(body.lora_name), status_code=200)
+
+
+class LoadLoraAdapterBody(BaseModel):
+    lora_name: str = ""
+    lora_path: str = ""
+
+
+class UnloadLoraAdapterBody(BaseModel):
+    lora_name: str = ""
 
 
 def _validation_error(_: Request, exc: Exception) -> JSONResponse:
@@ -254,11 +309,12 @@ def _http_error(_: Request, exc: Exception) -> JSONResponse:
     return JSONResponse(error_body(status, str(detail)), status_code=status)
 
 
-def create_app(backend: Backend) -> FastAPI:
-    """The OpenAI-compatible app over `backend` (which must be ready: its facts known)."""
+def create_app(backend: Backend, tool_parser: str | None = None) -> FastAPI:
+    """The OpenAI-compatible app over `backend` (which must be ready: its facts known);
+    `tool_parser`: the parser `tool_choice: auto` reads calls with (None: auto is off)."""
     from prometheus_client import CONTENT_TYPE_LATEST, REGISTRY, generate_latest
 
-    front = OpenAIFront(backend)
+    front = OpenAIFront(backend, tool_parser)
     app = FastAPI(title="pdserve", docs_url=None, redoc_url=None, openapi_url=None)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
@@ -274,6 +330,14 @@ def create_app(backend: Backend) -> FastAPI:
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         return front.models()
+
+    @app.post("/v1/load_lora_adapter", response_model=None)
+    async def load_lora_adapter(body: LoadLoraAdapterBody) -> Response:
+        return await front.load_adapter(body)
+
+    @app.post("/v1/unload_lora_adapter", response_model=None)
+    async def unload_lora_adapter(body: UnloadLoraAdapterBody) -> Response:
+        return await front.unload_adapter(body)
 
     @app.get("/health")
     async def health() -> Response:
@@ -299,9 +363,9 @@ class HttpServer:
     """uvicorn serving `create_app(backend)` inside the running event loop."""
 
     def __init__(self, backend: Backend, host: str, port: int, grace_s: float,
-                 auth: PublicAuth | None = None) -> None:
+                 auth: PublicAuth | None = None, tool_parser: str | None = None) -> None:
         self.host, self.port = host, port
-        app: Any = create_app(backend)
+        app: Any = create_app(backend, tool_parser)
         if auth is not None and auth.keys is not None:
             # 401 in OpenAI's error shape; /health stays open.
             app = ApiKeyMiddleware(app, auth.keys,

@@ -15,22 +15,26 @@ when set to anything but their default, so a request never silently means less.
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any, cast
 
 from pydantic import BaseModel, ConfigDict
 
 from pdserve.v1 import generate_pb2 as pb
+from services.api import tools
 from services.api.validation import invalid
 from services.errors import http_status
 
 INT32_MAX = 2**31 - 1
 UINT64_MAX = 2**64 - 1
 
-# Known fields pdserve cannot honour: refused unless left at a default.
-UNSUPPORTED = ("best_of", "echo", "suffix", "logit_bias", "use_beam_search", "prompt_logprobs",
-               "include_stop_str_in_output", "tools", "logprob_token_ids")
+# Known fields pdserve cannot honour: refused unless left at a default (docs/openai-api.md
+# says why for each).
+UNSUPPORTED = ("best_of", "suffix", "use_beam_search", "prompt_logprobs", "logprob_token_ids")
+CHAT_UNSUPPORTED = ("echo",)  # chat's echo (prepend the last message); completions' is served
 _NEUTRAL: dict[str, tuple[Any, ...]] = {"best_of": (1,)}
+LOGIT_BIAS_LIMIT = 100.0  # vLLM clamps each bias to [-100, 100], as OpenAI documents
 # vLLM's `structured_outputs` keys: the constraint kinds (as the gRPC field names them),
 # and options pdserve does not pass on (refused unless left at their default).
 STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "choice",
@@ -70,6 +74,8 @@ class _Sampling(_Body):
     # Output constraints: OpenAI's `response_format`, or vLLM's `structured_outputs`.
     response_format: dict[str, Any] | None = None
     structured_outputs: dict[str, Any] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as text) -> bias
+    include_stop_str_in_output: bool = False
 
     @property
     def structured_param(self) -> str:
@@ -87,12 +93,16 @@ class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: int | None = 16  # OpenAI's and vLLM's default for completions
     logprobs: int | None = None
+    echo: bool | None = False  # the answer starts with the prompt
 
 
 class ChatMessage(_Body):
     role: str
     # A string, or content parts of which only text parts can be served here.
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant message's calls
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
 
 class ChatCompletionRequest(_Sampling):
@@ -103,6 +113,16 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool | None = False
     top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+
+    @property
+    def structured_param(self) -> str:
+        if self.tools is not None and (self.tool_choice == "required"
+                                       or isinstance(self.tool_choice, dict)):
+            return "tools"  # the constraint is the tools' schema
+        return super().structured_param
 
 
 def _int(name: str, value: int, low: int = -(2**31), high: int = INT32_MAX) -> int:
@@ -111,10 +131,25 @@ def _int(name: str, value: int, low: int = -(2**31), high: int = INT32_MAX) -> i
     return value
 
 
-def _check_openai_only(body: _Sampling) -> None:
+def _check_openai_only(body: _Sampling, refused: tuple[str, ...] = UNSUPPORTED) -> None:
     for name, value in (body.model_extra or {}).items():
-        if name in UNSUPPORTED and value not in (None, False, "", [], {}, *_NEUTRAL.get(name, ())):
+        if name in refused and value not in (None, False, "", [], {}, *_NEUTRAL.get(name, ())):
             raise invalid(f"{name}: not supported by pdserve; leave it unset")
+
+
+def _logit_bias(raw: dict[str, float]) -> dict[int, float]:
+    """OpenAI's `logit_bias` (token ids as keys), each bias clamped as vLLM does; the ids
+    are checked against the vocabulary with the rest of the sampling."""
+    out = {}
+    for key, bias in raw.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise invalid(f"logit_bias: key {key!r} is not a token id") from None
+        if not math.isfinite(bias):
+            raise invalid(f"logit_bias: the bias of token {key} must be a finite number")
+        out[_int("logit_bias", token)] = min(LOGIT_BIAS_LIMIT, max(-LOGIT_BIAS_LIMIT, bias))
+    return out
 
 
 def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> pb.SamplingParams:
@@ -140,6 +175,9 @@ def _sampling(body: _Sampling, max_tokens: int | None, logprobs: int | None) -> 
     structured = _structured(body)
     if structured is not None:
         s.structured.CopyFrom(structured)
+    if body.logit_bias:
+        s.logit_bias.update(_logit_bias(body.logit_bias))
+    s.include_stop_str_in_output = body.include_stop_str_in_output
     return s
 
 
@@ -201,6 +239,9 @@ def _structured(body: _Sampling) -> pb.StructuredOutput | None:
 def completion_request(body: CompletionRequest, request_id: str) -> pb.GenerateRequest:
     """The gRPC request for a completions body; raises InvalidRequest naming the field."""
     _check_openai_only(body)
+    if body.echo and body.logprobs is not None:
+        raise invalid("echo: with logprobs it needs the prompt's log-probabilities, which "
+                      "pdserve does not serve (prompt_logprobs); drop logprobs or echo")
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         if len(prompt) != 1:  # a batch of prompts: one request each, in OpenAI's API
@@ -229,18 +270,62 @@ def _text_of(i: int, content: str | list[dict[str, Any]] | None) -> str:
     return "".join(parts)
 
 
-def chat_request(body: ChatCompletionRequest, request_id: str) -> pb.GenerateRequest:
-    """The gRPC request for a chat body; raises InvalidRequest naming the field."""
-    _check_openai_only(body)
+def tool_plan(body: ChatCompletionRequest, auto_parser: str | None) -> tools.ToolPlan | None:
+    """How the request uses `tools` and `tool_choice` (None: no tools); raises
+    InvalidRequest naming the field. `auto_parser`: the server's parser for
+    `tool_choice: auto` (None: auto is off)."""
+    return tools.plan(body.tools, body.tool_choice, body.parallel_tool_calls, auto_parser)
+
+
+def _tool_calls(i: int, m: ChatMessage) -> list[pb.ToolCall]:
+    calls = []
+    for j, call in enumerate(m.tool_calls or []):
+        where = f"messages[{i}].tool_calls[{j}]"
+        fn = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(fn, dict):
+            raise invalid(f"{where}: only function calls are supported: "
+                          '{"id": ..., "type": "function", "function": {"name": ..., '
+                          '"arguments": "..."}}')
+        if not isinstance(fn.get("name"), str) or not fn["name"]:
+            raise invalid(f"{where}.function.name: required, a non-empty string")
+        args = fn.get("arguments")
+        if isinstance(args, dict):
+            args = json.dumps(args)
+        elif args is not None and not isinstance(args, str):
+            raise invalid(f"{where}.function.arguments: JSON text (a string)")
+        if not isinstance(call.get("id", ""), str):
+            raise invalid(f"{where}.id: a string")
+        calls.append(pb.ToolCall(id=call.get("id") or "", name=fn["name"],
+                                 arguments=args or ""))
+    return calls
+
+
+def chat_request(body: ChatCompletionRequest, request_id: str,
+                 plan: tools.ToolPlan | None = None) -> pb.GenerateRequest:
+    """The gRPC request for a chat body (with its tool plan, `tool_plan`); raises
+    InvalidRequest naming the field."""
+    _check_openai_only(body, UNSUPPORTED + CHAT_UNSUPPORTED)
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs: needs `logprobs: true`")
     req = pb.GenerateRequest(request_id=request_id, model=body.model or "")
     req.chat.SetInParent()
     for i, m in enumerate(body.messages):
-        req.chat.messages.add(role=m.role, content=_text_of(i, m.content))
+        req.chat.messages.add(role=m.role, content=_text_of(i, m.content),
+                              tool_calls=_tool_calls(i, m), tool_call_id=m.tool_call_id or "",
+                              name=m.name or "")
+    for f in plan.functions if plan is not None else ():
+        req.chat.tools.add(name=f.name, description=f.description or "",
+                           parameters=json.dumps(f.parameters) if f.parameters else "")
     max_tokens = body.max_completion_tokens or body.max_tokens  # vLLM's precedence
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     req.sampling.CopyFrom(_sampling(body, max_tokens, logprobs))
+    constraint = plan.constraint if plan is not None else None
+    if constraint is not None:
+        if req.sampling.HasField("structured"):
+            given = "structured_outputs" if body.structured_outputs else "response_format"
+            raise invalid(f"tool_choice: {body.tool_choice!r} holds the answer to a tool "
+                          f"call; leave {given} unset with it")
+        req.sampling.structured.CopyFrom(pb.StructuredOutput(json_schema=json.dumps(constraint)))
     return req
 
 

@@ -31,6 +31,6 @@ async def serve_public(config: ServerConfig, backend: Backend, banner: str,
         from services.api.openai_http import HttpServer
 
         http.append(HttpServer(backend, config.host, config.http_port, config.grace_s,
-                               auth=listener.auth))
+                               auth=listener.auth, tool_parser=config.auto_tool_parser))
     await serve(config, [generation_service(backend)], banner, listener, on_ready, stop,
                 companions=http)

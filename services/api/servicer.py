@@ -51,7 +51,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             raise request
         metadata = dict(context.invocation_metadata() or ())
         req = prepare(request, self.limits, self.backend.tokenizer, context.time_remaining(),
-                      client_id(str(metadata.get("x-client-id", ""))))
+                      client_id(str(metadata.get("x-client-id", ""))),
+                      adapters=self.backend.adapter_paths())
         if tracing.enabled():  # the client's traceparent: its trace continues here
             req = replace(req, trace_headers=tracing.carried(metadata.items()))
         completion_tokens = 0
@@ -88,10 +89,33 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
             tokenizer=f.tokenizer_class,
             dtype=f.dtype,
             serving_mode=self.backend.mode,
+            lora_adapters=[pb.LoraAdapter(name=name, parent=f.name, path=path)
+                           for name, path in self.backend.adapter_paths().items()],
         )
         if f.bos_token_id is not None:
             info.bos_token_id = f.bos_token_id
         return info
+
+    async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> pb.LoadLoraAdapterResponse:
+        await self.backend.load_adapter(request.lora_name, request.lora_path)
+        return pb.LoadLoraAdapterResponse(message=lora_loaded(request.lora_name))
+
+    async def UnloadLoraAdapter(self, request: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.UnloadLoraAdapterResponse:
+        await self.backend.unload_adapter(request.lora_name)
+        return pb.UnloadLoraAdapterResponse(message=lora_unloaded(request.lora_name))
+
+
+# vLLM's answers to its load and unload endpoints, word for word.
+def lora_loaded(name: str) -> str:
+    return f"Success: LoRA adapter '{name}' added successfully."
+
+
+def lora_unloaded(name: str) -> str:
+    return f"Success: LoRA adapter '{name}' removed successfully."
 
 
 def generation_service(backend: Backend) -> Service:
@@ -107,6 +131,13 @@ def generation_service(backend: Backend) -> Service:
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo, request_deserializer=pb.GetModelInfoRequest.FromString,
             response_serializer=pb.GetModelInfoResponse.SerializeToString),
+        "LoadLoraAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.LoadLoraAdapter, request_deserializer=pb.LoadLoraAdapterRequest.FromString,
+            response_serializer=pb.LoadLoraAdapterResponse.SerializeToString),
+        "UnloadLoraAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.UnloadLoraAdapter,
+            request_deserializer=pb.UnloadLoraAdapterRequest.FromString,
+            response_serializer=pb.UnloadLoraAdapterResponse.SerializeToString),
     }
     generic = grpc.method_handlers_generic_handler(GENERATION_SERVICE, handlers)
     return Service(GENERATION_SERVICE, lambda server: server.add_generic_rpc_handlers((generic,)))

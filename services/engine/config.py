@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+import json
 import logging
 import os
 from typing import Literal
@@ -147,7 +148,27 @@ class EngineConfig(BaseSettings):
     pipeline_parallel_size: int = Field(
         1, ge=1, description="pipeline stages; pdserve supports only 1 (use "
         "tensor_parallel_size to spread a model over devices)", json_schema_extra=ADVANCED)
+    speculative_config: str = Field(
+        "", description="speculative decoding, as vLLM's --speculative-config JSON, e.g. "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' "
+        "(ngram runs on CPU; draft-model methods need a GPU and a local draft folder); "
+        "empty = off. Decode and colocated engines use it; a prefill worker samples one "
+        "token per request and starts without it")
     max_num_seqs: int = Field(64, ge=1, description="most sequences in one engine step")
+    enable_lora: bool = Field(
+        False, description="serve LoRA adapters (vLLM's --enable-lora): needed to load "
+        "adapters at run time; on whenever lora_modules names one")
+    # Its flag takes vLLM's spelling too (services/settings.py: LIST_FLAGS).
+    lora_modules: str = Field(
+        "", description="LoRA adapters (PEFT folders) every engine loads at start, as "
+        "NAME=PATH, several separated by commas or spaces; a request names one as its "
+        "model. Flags: --lora NAME=PATH (repeatable) or vLLM's --lora-modules NAME=PATH ...")
+    max_lora_rank: int = Field(
+        16, description="highest rank of an adapter the engines take (vLLM's "
+        "--max-lora-rank: 1, 8, 16, 32, 64, 128 or 256); a higher one is refused when loaded")
+    max_loras: int = Field(
+        1, ge=1, description="adapters one engine step may mix (vLLM's --max-loras); more "
+        "may be loaded, and their requests wait for a slot")
     max_queued_requests: int = Field(
         256, ge=0, description="requests waiting for their first token in this engine; "
         "beyond, RESOURCE_EXHAUSTED with a retry hint (0 = no bound)",
@@ -207,11 +228,42 @@ class EngineConfig(BaseSettings):
             except ValueError:
                 raise ValueError(f"cpu_cores {self.cpu_cores!r} is not a core list such as "
                                  "'0', '0-3' or '0,2,4-5'") from None
+        if self.speculative_config:
+            self.speculative()  # refused here, in words, not minutes later by vLLM
         if self.max_num_batched_tokens and self.max_num_batched_tokens < self.max_num_seqs:
             raise ValueError("max_num_batched_tokens must be >= max_num_seqs")
         if self.long_prefill_token_threshold > self.max_model_len:
             raise ValueError("long_prefill_token_threshold must be <= max_model_len")
+        from services.engine.lora import LORA_RANKS, parse_lora_modules
+
+        parse_lora_modules(self.lora_modules)  # a bad entry is refused before start-up
+        if self.max_lora_rank not in LORA_RANKS:
+            raise ValueError(f"max_lora_rank {self.max_lora_rank} is not one of vLLM's ranks "
+                             f"{', '.join(map(str, LORA_RANKS))}")
         return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        return self.enable_lora or bool(self.lora_modules.strip())
+
+    def speculative(self) -> dict[str, object] | None:
+        """The speculative decoding settings vLLM takes (None: off)."""
+        if not self.speculative_config:
+            return None
+        try:
+            spec = json.loads(self.speculative_config)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"speculative_config is not JSON ({e.msg}); give an object "
+                             "such as '{\"method\": \"ngram\", \"num_speculative_tokens\": 4}'"
+                             ) from None
+        if not isinstance(spec, dict) or (not spec.get("method") and not spec.get("model")):
+            raise ValueError("speculative_config must be a JSON object naming a \"method\" "
+                             "(e.g. ngram) or a draft \"model\", as vLLM's --speculative-config")
+        if cpu_only() and spec.get("method") != "ngram":
+            raise ValueError(f"speculative method {spec.get('method', 'draft model')!r} needs "
+                             "a GPU; on CPU "
+                             "vLLM runs only \"ngram\"")
+        return spec
 
     def resolved_dtype(self) -> str:
         # bf16 has no native support on AVX2 CPUs, where fp32 decodes faster.

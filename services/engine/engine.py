@@ -17,13 +17,21 @@ from typing import TYPE_CHECKING, Any
 from services.engine import structured
 from services.engine.admission import Admission
 from services.engine.config import EngineConfig, cpu_only, parse_cores
+from services.engine.lora import (
+    AdapterTable,
+    BaseModel,
+    check_adapter,
+    check_name,
+    parse_lora_modules,
+)
 from services.engine.model import resolve_model
-from services.errors import EngineDead, InvalidRequest
+from services.errors import EngineDead, InvalidRequest, ModelNotFound
 from services.kv.tp_layout import check_model_shape, read_hf_config
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
     from vllm import RequestOutput, SamplingParams
+    from vllm.lora.request import LoRARequest
     from vllm.v1.engine.async_llm import AsyncLLM
 
 log = logging.getLogger(__name__)
@@ -117,6 +125,9 @@ class Engine:
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._facts: ModelFacts | None = None
         self.admission = Admission(config.max_queued_requests, config.max_queued_prompt_tokens)
+        self.adapters = AdapterTable()
+        self._base: BaseModel | None = None  # what adapters are checked against
+        self._adapters_lock = asyncio.Lock()
 
     # -- life cycle -------------------------------------------------------------------
     def engine_args(self) -> Any:
@@ -155,6 +166,12 @@ class Engine:
         # One constraint backend for every engine: what the API compile-checked is what
         # each engine compiles, and prefill and decode split the answer alike.
         kwargs["structured_outputs_config"] = StructuredOutputsConfig(backend=structured.BACKEND)
+        spec = c.speculative()
+        if spec is not None:
+            kwargs["speculative_config"] = spec
+        if c.lora_enabled:
+            kwargs.update(enable_lora=True, max_lora_rank=c.max_lora_rank,
+                          max_loras=c.max_loras)
         if c.block_size:
             kwargs["block_size"] = c.block_size
         if c.max_num_batched_tokens:
@@ -173,6 +190,11 @@ class Engine:
         # Refused here, in words, rather than by vLLM after its processes spawned.
         check_model_shape(read_hf_config(self.model_path), self.config.tensor_parallel_size,
                           kv_transfer=self._kv_transfer_config is not None)
+        for module in parse_lora_modules(self.config.lora_modules):
+            try:
+                check_adapter(module.path, self.base_model, self.config.max_lora_rank)
+            except InvalidRequest as e:
+                raise ValueError(f"--lora {module.name}={module.path}: {e.message}") from None
         cores = parse_cores(self.config.resolved_cores())
         if cpu_only() and len(cores) < self.config.tensor_parallel_size:
             log.warning("%d tensor-parallel ranks on %d core(s): ranks share cores and wait "
@@ -199,6 +221,8 @@ class Engine:
         One request alone and two together, as a new batch shape may compile again."""
         from vllm import SamplingParams
 
+        for module in parse_lora_modules(self.config.lora_modules):
+            await self.add_adapter(module.name, module.path)
         params = SamplingParams(max_tokens=4, temperature=0.0, logprobs=1, ignore_eos=True)
 
         async def one(i: int) -> None:
@@ -255,9 +279,74 @@ class Engine:
             dtype=str(model_config.dtype).removeprefix("torch."),
         )
 
+    # -- LoRA adapters ----------------------------------------------------------------
+    @property
+    def base_model(self) -> BaseModel:
+        if self._base is None:
+            self._base = BaseModel.read(self.model_path, self.served_name)
+        return self._base
+
+    def adapter_paths(self) -> dict[str, str]:
+        """The loaded adapters: name -> folder."""
+        return self.adapters.paths()
+
+    async def add_adapter(self, name: str, path: str) -> bool:
+        """Load an adapter after checking its folder (`AdapterInvalid` names what is
+        wrong: the engine never sees a bad one). True when loaded now; False when this
+        name was already loaded from this path; `InvalidRequest` when from another."""
+        from vllm.lora.request import LoRARequest
+
+        check_name(name)
+        if name == self.served_name:
+            raise InvalidRequest(f"lora_name: {name!r} is the base model's name; give the "
+                                 "adapter another")
+        if not self.config.lora_enabled:
+            raise InvalidRequest("lora_name: this server runs without LoRA; restart it with "
+                                 "--enable-lora (or name adapters with --lora NAME=PATH)")
+        async with self._adapters_lock:
+            held = self.adapters.get(name)
+            if held is not None:
+                if held[1] == path:
+                    return False
+                raise InvalidRequest(f"lora_name: the LoRA adapter {name!r} is already loaded "
+                                     f"(from {held[1]}); unload it first")
+            check_adapter(path, self.base_model, self.config.max_lora_rank)
+            lora_id = self.adapters.add(name, path)
+            try:
+                await self.llm.add_lora(LoRARequest(name, lora_id, path))
+            except Exception as e:  # what the checks above could not foresee
+                self.adapters.remove(name)
+                if self.dead:
+                    raise EngineDead("the engine of this worker is not running") from e
+                raise InvalidRequest(f"lora_path: the engine could not load the adapter: "
+                                     f"{e}") from e
+        log.info("loaded LoRA adapter %s from %s", name, path)
+        return True
+
+    async def remove_adapter(self, name: str) -> None:
+        """Unload an adapter (`ModelNotFound` when it is not loaded). Requests running
+        under it finish; new ones naming it are refused."""
+        async with self._adapters_lock:
+            lora_id = self.adapters.remove(name)
+            await self.llm.remove_lora(lora_id)
+        log.info("unloaded LoRA adapter %s", name)
+
+    def lora_request(self, name: str) -> LoRARequest | None:
+        """vLLM's handle of a loaded adapter (None for ""), `ModelNotFound` if unknown."""
+        if not name:
+            return None
+        from vllm.lora.request import LoRARequest
+
+        held = self.adapters.get(name)
+        if held is None:
+            raise ModelNotFound(f"model: the LoRA adapter {name!r} is not loaded on this "
+                                "worker")
+        return LoRARequest(name, held[0], held[1])
+
     # -- requests ---------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str
+        self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+        lora_request: LoRARequest | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream outputs; closing or cancelling the iterator aborts the request.
         vLLM's refusals of a parameter raise `InvalidRequest`; a dead engine raises
@@ -269,7 +358,8 @@ class Engine:
         queued = True
         try:
             async for out in self.llm.generate(
-                {"prompt_token_ids": prompt_token_ids}, params, request_id
+                {"prompt_token_ids": prompt_token_ids}, params, request_id,
+                lora_request=lora_request,
             ):
                 if queued:
                     queued = False

@@ -105,6 +105,9 @@ class Consumer:
 
     def _copy_in(self, job: LoadJob, kv: ReceivedKV) -> str:
         """Copy the job's blocks into the paged cache; why not, or "" once done."""
+        if kv.spec.lora != job.lora:  # KV of one adapter never serves another's request
+            return (f"the KV was computed with LoRA adapter {kv.spec.lora or '(none)'!r}, "
+                    f"the request runs under {job.lora or '(none)'!r}")
         shipped = kv.spec.layer_shape[0]
         wanted = job.remote_first_block + len(job.local_block_ids)
         if len(kv.layers) != len(self._caches) or shipped < wanted:

@@ -28,6 +28,7 @@ class SaveJob:
     num_tokens: int
     fault: str = ""
     same_host: bool = False  # the receiver shares this host: shared memory may be used
+    lora: str = ""  # the LoRA adapter the prompt ran under ("" = the base model)
 
 
 @dataclass(slots=True)
@@ -39,6 +40,7 @@ class LoadJob:
     local_block_ids: list[int]
     remote_first_block: int  # the first shipped block that lands in local_block_ids[0]
     fault: str = ""
+    lora: str = ""  # the LoRA adapter the request runs under: the KV's must be the same
 
 
 @dataclass(slots=True)

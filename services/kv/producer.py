@@ -171,6 +171,7 @@ class Producer:
             num_tokens=job.num_tokens,
             receiver_epoch=job.decode_epoch,
             receiver_fingerprint=job.decode_fingerprint,
+            lora=job.lora,
         )
         sending = _Sending(job, time.monotonic(), self._route(job))
         self._sending[job.transfer_id] = sending

@@ -28,6 +28,12 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def lora_name(request: Any) -> str:
+    """The LoRA adapter a vLLM request runs under ("" = the base model)."""
+    lora = getattr(request, "lora_request", None)
+    return str(lora.lora_name) if lora is not None else ""
+
+
 def ceil_div(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -87,6 +93,7 @@ class SchedulerSide:
                 local_block_ids=block_ids[first:last],
                 remote_first_block=first,
                 fault=params.fault,
+                lora=lora_name(request),
             )
         )
         self._loading.add(rid)
@@ -132,6 +139,7 @@ class SchedulerSide:
                     num_tokens=n,
                     fault=params.fault,
                     same_host=params.same_host,
+                    lora=lora_name(request),
                 )
             )
             self._saving.add(rid)

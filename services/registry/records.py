@@ -62,6 +62,9 @@ class WorkerRecord:
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated: float = 0.0  # time.time() of the last heartbeat
     pid: int = 0  # the serving process, for operators (and failure drills)
+    # The LoRA adapters the worker has loaded, (name, folder), sorted by name: the router
+    # pairs a request naming one with workers that hold it.
+    loras: tuple[tuple[str, str], ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,6 +78,7 @@ class WorkerRecord:
     def from_dict(cls, d: dict[str, Any]) -> WorkerRecord:
         values = _typed_fields(cls, d)
         values["load"] = WorkerLoad(**_typed_fields(WorkerLoad, _object(d.get("load", {}))))
+        values["loras"] = _adapter_pairs(d.get("loras", []))
         record = cls(**values)
         _check_values(record)
         return record
@@ -87,6 +91,11 @@ class WorkerRecord:
         if not self.metrics_port:
             return ""
         return f"{self.address.rpartition(':')[0]}:{self.metrics_port}"
+
+    @property
+    def adapters(self) -> dict[str, str]:
+        """The loaded LoRA adapters: name -> folder."""
+        return dict(self.loras)
 
     @property
     def saturated(self) -> bool:
@@ -117,7 +126,7 @@ def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
     left to their defaults."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name == "load":
+        if f.name in ("load", "loras"):
             continue
         if f.name not in d:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -132,6 +141,19 @@ def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
             raise BadRecord("schema", f"field {f.name!r} is not finite")
         out[f.name] = float(d[f.name]) if f.type == "float" else value
     return out
+
+
+def _adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:
+    """`loras` as written ([[name, folder], ...]), checked."""
+    if not isinstance(value, list | tuple):
+        raise BadRecord("schema", f"field 'loras' is {type(value).__name__}, expected a list")
+    pairs = []
+    for item in value:
+        if (not isinstance(item, list | tuple) or len(item) != 2
+                or not all(isinstance(x, str) and x for x in item)):
+            raise BadRecord("schema", "field 'loras' holds an entry that is not [name, folder]")
+        pairs.append((item[0], item[1]))
+    return tuple(sorted(pairs))
 
 
 def _check_values(r: WorkerRecord) -> None:

@@ -114,7 +114,8 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
         call = decode.decode(wpb.DecodeRequest(
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens), fault=fault,
-            generated_tokens=req.generated_tokens), timeout=timeout, metadata=metadata)
+            generated_tokens=req.generated_tokens, lora_name=req.lora), timeout=timeout,
+            metadata=metadata)
         async for delta in _stream_decode(call, decode, None, 0, 0, liveness):
             yield delta
         return
@@ -138,7 +139,8 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=prefill_sampling,
             transfer_id=transfer_id, fault=fault, target=target,
-            generated_tokens=req.generated_tokens), timeout=timeout, metadata=metadata)
+            generated_tokens=req.generated_tokens, lora_name=req.lora), timeout=timeout,
+            metadata=metadata)
         watch = liveness.watch(call1, "prefill", prefill.worker_id, prefill.channel)
         try:
             first = await call1
@@ -158,7 +160,8 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
             call = decode.decode(wpb.DecodeRequest(
                 request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
                 sampling=wire.sampling_pb(s, req.max_tokens, s.min_tokens),
-                handle=first.handle, fault=fault, generated_tokens=req.generated_tokens),
+                handle=first.handle, fault=fault, generated_tokens=req.generated_tokens,
+                lora_name=req.lora),
                 timeout=None if timeout is None else max(0.1, timeout), metadata=metadata)
             async for delta in _stream_decode(call, decode, prefill_timings,
                                               first.cached_tokens, 0, liveness):
@@ -180,7 +183,7 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             first_token_id=first.first_token_id,
             sampling=wire.sampling_pb(s, rest.max_tokens, rest.min_tokens), handle=first.handle,
-            fault=fault, generated_tokens=req.generated_tokens),
+            fault=fault, generated_tokens=req.generated_tokens, lora_name=req.lora),
             timeout=None if timeout is None else max(0.1, timeout),
             metadata=metadata)
         async for delta in _stream_decode(call, decode, prefill_timings, first.cached_tokens, 1,

@@ -9,7 +9,7 @@ and a saturated prefill pool should not hold up requests a decode worker can tak
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -195,6 +195,82 @@ class LoadAware:
         d = min(fits, key=lambda d: self.decode_cost(d, local)
                 + (0 if p.host == d.host else self.transfer_cost_tokens))
         return Choice(p, d, "prefix")
+
+
+@dataclass(slots=True)
+class AdapterOverlay:
+    """The LoRA loads and unloads this router made on each worker that the worker's last
+    registry report may not show yet (as `LocalLoad` for requests): a change counts until
+    a report written after it arrives, so a request right after a load finds the adapter
+    where it was loaded, and one right after an unload does not. A worker without reports
+    (the local pair's fixed view) is known by these changes alone."""
+
+    # worker id -> adapter name -> (folder, or None when unloaded; time.time() of it)
+    changes: dict[str, dict[str, tuple[str | None, float]]] = field(default_factory=dict)
+
+    def loaded(self, worker_id: str, name: str, path: str) -> None:
+        self.changes.setdefault(worker_id, {})[name] = (path, time.time())
+
+    def unloaded(self, worker_id: str, name: str) -> None:
+        self.changes.setdefault(worker_id, {})[name] = (None, time.time())
+
+    def held(self, w: WorkerRecord) -> dict[str, str]:
+        """The adapters `w` holds: name -> folder."""
+        out = w.adapters
+        for name, (path, at) in self.changes.get(w.worker_id, {}).items():
+            if at < w.updated:
+                continue  # the report was written after the change: it shows it
+            if path is None:
+                out.pop(name, None)
+            else:
+                out[name] = path
+        return out
+
+    def prune(self, workers: Sequence[WorkerRecord]) -> None:
+        """Forget the changes of workers gone from the view, and those their reports show."""
+        updated = {w.worker_id: w.updated for w in workers}
+        for worker_id in list(self.changes):
+            if worker_id not in updated:
+                del self.changes[worker_id]
+                continue
+            mine = self.changes[worker_id]
+            for name in [n for n, (_, at) in mine.items() if at < updated[worker_id]]:
+                del mine[name]
+            if not mine:
+                del self.changes[worker_id]
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterPlan:
+    """A pair for a request under a LoRA adapter, and which of its workers must load the
+    adapter first (none when both hold it)."""
+
+    choice: Choice
+    load: tuple[WorkerRecord, ...] = ()
+
+
+def choose_with_adapter(policy: Policy, prefills: Sequence[WorkerRecord],
+                        decodes: Sequence[WorkerRecord], req: RouteInput, local: LocalLoad,
+                        holds: Callable[[WorkerRecord], bool]) -> AdapterPlan | None:
+    """The pair for a request that runs under an adapter: prefill and decode of it must
+    run under the same adapter (the KV depends on it), so pairs whose workers both hold
+    it come first. When no such pair has room, or holders cannot make a full pair while
+    a prefill pool exists, the policy chooses among all workers and the plan names the
+    chosen workers that must load the adapter first. None: no decode worker has room."""
+    held_p = [p for p in prefills if holds(p)]
+    held_d = [d for d in decodes if holds(d)]
+    if held_d:
+        choice = policy.choose(held_p, held_d, req, local)
+        # A pair of holders; or the decode worker alone, where no prefill worker exists
+        # anyway, or the policy chose to prefill there (a short prompt).
+        if choice is not None and (choice.prefill is not None or not prefills
+                                   or not choice.reason.startswith("local_no_prefill")):
+            return AdapterPlan(choice)
+    choice = policy.choose(prefills, decodes, req, local)
+    if choice is None:
+        return None
+    load = tuple(w for w in (choice.prefill, choice.decode) if w is not None and not holds(w))
+    return AdapterPlan(choice, load)
 
 
 def make_policy(name: str, local_prefill_max_tokens: int = 0) -> Policy:

@@ -32,9 +32,12 @@ MAX_PENDING_WRITES = 64  # writes in flight at once; more are dropped (a slow Re
 LOG_EVERY_S = 30.0  # a failing index is reported this often, not once per request
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64) -> list[str]:
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64,
+                 salt: str = "") -> list[str]:
+    """`salt` (a LoRA adapter's name) keys the chain: KV computed under an adapter is
+    cached apart from the base model's, as in vLLM's prefix cache."""
     out: list[str] = []
-    parent = b""
+    parent = hashlib.blake2b(b"lora:" + salt.encode(), digest_size=12).digest() if salt else b""
     full = min(len(token_ids) // block_size, max_blocks)
     if not full:  # a prompt shorter than a block: nothing to hash (and no numpy call)
         return out

@@ -17,14 +17,26 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import TYPE_CHECKING
 
 import grpc
+from prometheus_client import Counter
 
+from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.engine.engine import ModelFacts
-from services.errors import Overloaded, Unavailable, WorkerFailure
+from services.engine.lora import check_name
+from services.errors import (
+    FailedCall,
+    InvalidRequest,
+    ModelNotFound,
+    Overloaded,
+    PdserveError,
+    Unavailable,
+    WorkerFailure,
+    from_worker_status,
+)
 from services.messages import Delta, GenerationRequest
 from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
@@ -33,10 +45,12 @@ from services.router.events import RequestEvents, request_events
 from services.router.facts import model_facts
 from services.router.orchestrator import Peer, run_pair
 from services.router.policies import (
+    AdapterOverlay,
     Choice,
     LocalLoad,
     Policy,
     RouteInput,
+    choose_with_adapter,
     make_policy,
     prefill_pool_full,
 )
@@ -53,6 +67,13 @@ log = logging.getLogger(__name__)
 
 SUSPECT_S = 2.0  # a worker that just failed a call is skipped this long (then doubling)
 SUSPECT_MAX_S = 30.0  # ... and then until it answers a health probe
+LORA_CALL_TIMEOUT_S = 120.0  # loading an adapter reads its folder and copies its weights
+
+LORA_LOADS = Counter("pdserve_router_lora_loads", "LoRA adapter loads this router made on "
+                     "workers, by why: a request's pair lacked it (request) or a load call "
+                     "(admin)", ["reason"])
+LOAD_LORA_METHOD = "/pdserve.v1.DecodeService/LoadLoraAdapter"
+UNLOAD_LORA_METHOD = "/pdserve.v1.DecodeService/UnloadLoraAdapter"
 
 
 class RouterBackend:
@@ -68,6 +89,7 @@ class RouterBackend:
         self._model_path = model_path
         self.policy: Policy = make_policy(config.policy, config.local_prefill_max_tokens)
         self.local = LocalLoad()
+        self.adapters = AdapterOverlay()  # LoRA loads and unloads not yet in the view
         self.inflight = 0
         self.fault = fault  # fault injection on every request (tests; workers must allow)
         self._view: list[WorkerRecord] = []
@@ -111,6 +133,7 @@ class RouterBackend:
         if view:
             self._empty_since = float("inf")
         self._view = view
+        self.adapters.prune(view)
         decode = next((w for w in self._view if w.role == "decode"), None)
         if decode is not None and self._facts is None:
             self._facts = model_facts(self._tokenizer, self._model_path,
@@ -197,6 +220,87 @@ class RouterBackend:
         pause = min(SUSPECT_S * 2 ** failures, SUSPECT_MAX_S)
         self._suspects[worker_id] = (time.monotonic() + pause, failures + 1)
 
+    # -- LoRA adapters ----------------------------------------------------------------
+    def adapter_paths(self) -> dict[str, str]:
+        """The adapters some live worker holds: name -> folder."""
+        out: dict[str, str] = {}
+        for w in self._view:
+            for name, path in self.adapters.held(w).items():
+                out.setdefault(name, path)
+        return dict(sorted(out.items()))
+
+    async def _lora_call(self, w: WorkerRecord, method: str, request: object) -> None:
+        call = self.peer(w).channel.unary_unary(
+            method, request_serializer=lambda m: m.SerializeToString(),
+            response_deserializer=None)
+        try:
+            await call(request, timeout=LORA_CALL_TIMEOUT_S)
+        except grpc.aio.AioRpcError as e:
+            role = w.role
+            raise from_worker_status(FailedCall(role, w.worker_id, e.code(),
+                                                e.details() or "")) from e
+
+    async def _load_on(self, workers: Sequence[WorkerRecord], name: str, path: str,
+                       reason: str) -> None:
+        """Load the adapter on each of `workers` at once; the first failure is raised
+        (a worker that could not be reached is taken out of rotation)."""
+        request = pb.LoadLoraAdapterRequest(lora_name=name, lora_path=path)
+        results = await asyncio.gather(
+            *(self._lora_call(w, LOAD_LORA_METHOD, request) for w in workers),
+            return_exceptions=True)
+        failure: BaseException | None = None
+        for w, result in zip(workers, results, strict=True):
+            if result is None:
+                self.adapters.loaded(w.worker_id, name, path)
+                LORA_LOADS.labels(reason).inc()
+                continue
+            if isinstance(result, WorkerFailure):
+                self._suspect(w.worker_id)
+            failure = failure or result
+        if failure is not None:
+            raise failure
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load an adapter on every worker in rotation (a request may pair any two), or
+        on none: a folder one worker refuses is unloaded from those that took it."""
+        check_name(name)
+        if self._facts is not None and name == self._facts.name:
+            raise InvalidRequest(f"lora_name: {name!r} is the base model's name; give the "
+                                 "adapter another")
+        if name in self.adapter_paths():
+            raise InvalidRequest(f"lora_name: the LoRA adapter {name!r} is already loaded; "
+                                 "unload it first to load it from another folder")
+        workers = [w for w in self._view if w.worker_id not in self._suspects]
+        if not workers:
+            raise Unavailable("no worker is registered that could load the adapter")
+        try:
+            await self._load_on(workers, name, path, "admin")
+        except BaseException:
+            with contextlib.suppress(Exception):
+                await self._unload_from(workers, name)
+            raise
+
+    async def _unload_from(self, workers: Sequence[WorkerRecord], name: str) -> int:
+        """Unload from each of `workers` that holds it; returns how many did."""
+        holders = [w for w in workers if name in self.adapters.held(w)]
+        request = pb.UnloadLoraAdapterRequest(lora_name=name)
+        results = await asyncio.gather(
+            *(self._lora_call(w, UNLOAD_LORA_METHOD, request) for w in holders),
+            return_exceptions=True)
+        for w, result in zip(holders, results, strict=True):
+            if result is None or isinstance(result, ModelNotFound):
+                self.adapters.unloaded(w.worker_id, name)
+        failures = [r for r in results if r is not None and not isinstance(r, ModelNotFound)]
+        if failures:
+            raise failures[0]
+        return len(holders)
+
+    async def unload_adapter(self, name: str) -> None:
+        """Unload an adapter from every worker that holds it (`ModelNotFound`: none)."""
+        check_name(name)
+        if not await self._unload_from(self._view, name):
+            raise ModelNotFound(f"lora_name: the LoRA adapter {name!r} cannot be found")
+
     async def _choose(self, req: GenerationRequest, hashes: list[str],
                       events: RequestEvents) -> Choice:
         prefills, decodes = self._live("prefill"), self._live("decode")
@@ -218,12 +322,37 @@ class RouterBackend:
                 hits = await self.view.prefix_hits(hashes, self.config.prefix_block_size)
             except Exception as e:  # the index is an optimization: route without it
                 log.warning("prefix lookup failed: %s", e)
-        choice = self.policy.choose(prefills, decodes, RouteInput(len(req.prompt_token_ids),
-                                                                  hits), self.local)
+        route = RouteInput(len(req.prompt_token_ids), hits)
+        if req.lora:
+            return await self._choose_with_adapter(req, prefills, decodes, route, events)
+        choice = self.policy.choose(prefills, decodes, route, self.local)
         if choice is None:
             raise self._reject(events, "capacity", "every decode worker is at capacity")
         if full := prefill_pool_full(choice, self.local, self.config.prefill_max_queued_tokens):
             raise self._reject(events, "prefill_queue", full)
+        return choice
+
+    async def _choose_with_adapter(self, req: GenerationRequest,
+                                   prefills: list[WorkerRecord], decodes: list[WorkerRecord],
+                                   route: RouteInput, events: RequestEvents) -> Choice:
+        """A pair that holds the request's adapter, loading it where it is missing."""
+        path = self.adapter_paths().get(req.lora)
+        if path is None:
+            raise ModelNotFound(f"model: {req.lora!r} is not served here (no worker holds "
+                                "that LoRA adapter); GET /v1/models lists what is")
+        plan = choose_with_adapter(self.policy, prefills, decodes, route, self.local,
+                                   lambda w: req.lora in self.adapters.held(w))
+        if plan is None:
+            raise self._reject(events, "capacity", "every decode worker is at capacity")
+        choice = plan.choice
+        if full := prefill_pool_full(choice, self.local, self.config.prefill_max_queued_tokens):
+            raise self._reject(events, "prefill_queue", full)
+        if plan.load:
+            try:
+                await self._load_on(plan.load, req.lora, path, "request")
+            except PdserveError as e:
+                raise Unavailable(f"could not load LoRA adapter {req.lora!r} on the chosen "
+                                  f"workers: {e.message}") from e
         return choice
 
     async def _admit(self, req: GenerationRequest, events: RequestEvents) -> Lease | None:
@@ -255,7 +384,9 @@ class RouterBackend:
         lease = await self._admit(req, events)
         self.inflight += 1
         events.admitted(self.inflight)
-        hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size)
+        # KV computed under an adapter is its own: its prefix index entries too.
+        hashes = block_hashes(req.prompt_token_ids, self.config.prefix_block_size,
+                              salt=req.lora)
         streamed: list[int] = []  # every token the client has received
         moves = 0
         leg = req

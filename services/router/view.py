@@ -42,7 +42,8 @@ def record_of(info: wpb.WorkerInfo, address: str) -> WorkerRecord:
         kv_address=info.kv_address if role == "decode" else "",
         kv_transport=info.kv_transport if role == "decode" else "",
         capacity=int(info.capacity) or 64, model=info.model,
-        max_model_len=int(info.max_model_len), vocab_size=int(info.vocab_size), dtype=dtype)
+        max_model_len=int(info.max_model_len), vocab_size=int(info.vocab_size), dtype=dtype,
+        loras=tuple(sorted((a.name, a.path) for a in info.lora_adapters)))
 
 
 class FixedView:

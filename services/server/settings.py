@@ -8,11 +8,15 @@ from it. Env prefix PDSERVE_."""
 
 from __future__ import annotations
 
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.server.channels import MAX_MESSAGE_BYTES
 from services.settings import ADVANCED
+
+# The names of services/api/tools.py's parsers (a test holds the two equal; the settings
+# cannot import the API package).
+TOOL_CALL_PARSERS = ("hermes",)
 
 
 class ServerSettings(BaseSettings):
@@ -67,6 +71,30 @@ class PublicApiSettings(BaseSettings):
     allow_insecure: bool = Field(
         False, description="serve the public API beyond loopback with neither API keys nor "
         "TLS (logged as a warning at start)")
+    # vLLM's flags: `tool_choice: auto` lets the model decide whether to call a tool, so
+    # its calls must be read out of its text in its family's format.
+    enable_auto_tool_choice: bool = Field(
+        False, description="OpenAI API: serve `tool_choice: auto`, reading the model's calls "
+        "with --tool-call-parser (required and named tool choices need neither)")
+    tool_call_parser: str = Field(
+        "", description="OpenAI API: the format the model writes tool calls in, for "
+        "--enable-auto-tool-choice: hermes (<tool_call>{...}</tool_call>: Qwen 2.5/3, "
+        "Hermes)")
+
+    @model_validator(mode="after")
+    def _tool_parser_known(self) -> PublicApiSettings:
+        if self.tool_call_parser and self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise ValueError(f"tool_call_parser: {self.tool_call_parser!r} is not known; "
+                             f"use one of {', '.join(TOOL_CALL_PARSERS)}")
+        if self.enable_auto_tool_choice and not self.tool_call_parser:
+            raise ValueError("enable_auto_tool_choice: needs --tool-call-parser (the format "
+                             "the model writes tool calls in)")
+        return self
+
+    @property
+    def auto_tool_parser(self) -> str | None:
+        """The parser `tool_choice: auto` reads calls with; None: auto is off."""
+        return self.tool_call_parser if self.enable_auto_tool_choice else None
 
 
 class InternalSettings(BaseSettings):

@@ -78,6 +78,11 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                                    "whole requests only (no transfer handle)")
         if not local:
             checks.check_id("handle.transfer_id", h.transfer_id)
+            if h.lora_name != req.lora_name:  # KV computed under one adapter, never another
+                raise IncompatiblePair(
+                    f"lora_name: {req.lora_name or 'the base model'!r}, but the transfer's KV "
+                    f"was computed with {h.lora_name or 'the base model'!r}; prefill and "
+                    "decode of one request run under the same adapter")
             if not 0 < h.num_tokens <= len(req.prompt_token_ids):
                 raise InvalidRequest(
                     f"handle.num_tokens: {h.num_tokens} must be in 1..{len(req.prompt_token_ids)}"
@@ -116,13 +121,15 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             # The answer so far (and token 1, the prefill worker's): an output
             # constraint resumes after it.
             resume = req.generated_tokens + (len(ids) - len(req.prompt_token_ids))
+            lora = self.worker.engine.lora_request(req.lora_name)
             extra = self._kv_params(req)
             if sampling.n > 1 and extra:
                 stream = self._choices(req.request_id, ids, sampling, max_tokens, extra,
-                                       resume)
+                                       resume, lora)
             else:  # one answer, or vLLM's parallel sampling of a prompt computed here
                 stream = self._outputs(req.request_id, ids, vllm_params(
-                    sampling, max_tokens, extra_args=extra, resume_tokens=resume), sampling.n)
+                    sampling, max_tokens, extra_args=extra, resume_tokens=resume), sampling.n,
+                    lora)
         except Exception as e:
             span.fail(e, error_type(e))
             span.end()
@@ -164,16 +171,16 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             span.end()
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def _outputs(self, request_id: str, ids: list[int], params: Any, n: int
-                       ) -> AsyncIterator[tuple[Any, list[Delta]]]:
+    async def _outputs(self, request_id: str, ids: list[int], params: Any, n: int,
+                       lora: Any = None) -> AsyncIterator[tuple[Any, list[Delta]]]:
         """The engine's outputs for one request, each with its deltas."""
         choices = Choices() if n > 1 else None
-        async for out in self.worker.engine.generate(ids, params, request_id):
+        async for out in self.worker.engine.generate(ids, params, request_id, lora):
             yield out, choices.deltas(out) if choices else [delta_of_output(out)]
 
     async def _choices(self, request_id: str, ids: list[int], sampling: Sampling,
-                       max_tokens: int, extra: dict[str, Any], resume: int
-                       ) -> AsyncIterator[tuple[Any, list[Delta]]]:
+                       max_tokens: int, extra: dict[str, Any], resume: int,
+                       lora: Any = None) -> AsyncIterator[tuple[Any, list[Delta]]]:
         """n > 1 answers from one shipped prompt KV: choice 0 loads the transfer (vLLM's
         own parallel sampling would have every choice claim it); the others start once it
         is in, and take the prompt's full blocks from this engine's prefix cache. Choice i
@@ -187,7 +194,7 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             params = vllm_params(replace(sampling, n=1, seed=seed), max_tokens,
                                  extra_args=extra if i == 0 else None, resume_tokens=resume)
             try:
-                async for out in engine.generate(ids, params, f"{i}_{request_id}"):
+                async for out in engine.generate(ids, params, f"{i}_{request_id}", lora):
                     await queue.put((i, out))
             except Exception as e:
                 await queue.put((i, e))
@@ -267,6 +274,22 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
         return self.worker.info()
+
+    async def LoadLoraAdapter(self, req: pb.LoadLoraAdapterRequest,
+                              context: grpc.aio.ServicerContext
+                              ) -> pb.LoadLoraAdapterResponse:
+        loaded = await self.worker.engine.add_adapter(req.lora_name, req.lora_path)
+        return pb.LoadLoraAdapterResponse(
+            message=f"LoRA adapter {req.lora_name!r} "
+            f"{'loaded' if loaded else 'was already loaded'} on {self.worker.identity.worker_id}")
+
+    async def UnloadLoraAdapter(self, req: pb.UnloadLoraAdapterRequest,
+                                context: grpc.aio.ServicerContext
+                                ) -> pb.UnloadLoraAdapterResponse:
+        await self.worker.engine.remove_adapter(req.lora_name)
+        return pb.UnloadLoraAdapterResponse(
+            message=f"LoRA adapter {req.lora_name!r} unloaded on "
+            f"{self.worker.identity.worker_id}")
 
 
 def decode_service(worker: Worker) -> Service:

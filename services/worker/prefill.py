@@ -74,9 +74,10 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params},
                              resume_tokens=req.generated_tokens)
         prompt = list(req.prompt_token_ids)
+        lora = self.worker.engine.lora_request(req.lora_name)
         start_wall = time.time()
         last = None
-        async for out in self.worker.engine.generate(prompt, params, req.request_id):
+        async for out in self.worker.engine.generate(prompt, params, req.request_id, lora):
             last = out
         done_wall = time.time()
         if last is None or not last.outputs[0].token_ids:
@@ -96,7 +97,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                 transfer_id=req.transfer_id, prefill_worker_id=self.worker.identity.worker_id,
                 prefill_epoch=self.worker.identity.epoch, num_tokens=len(prompt),
                 decode_epoch=t.epoch, prefill_start_wall=start_wall,
-                prefill_done_wall=done_wall,
+                prefill_done_wall=done_wall, lora_name=req.lora_name,
             ),
             logprobs=wire.logprobs_pb(delta.logprobs),
         )

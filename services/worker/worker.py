@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from services.engine.config import EngineConfig, cpu_only
 from services.engine.engine import Engine
@@ -97,6 +98,12 @@ class Worker:
               tls: TLSFiles | None = None) -> Worker:
         """Start the engine; its KV channels use the internal mTLS identity `tls` (None:
         plaintext)."""
+        if role == "prefill" and engine_cfg.speculative_config:
+            # A prefill worker samples one token per request: drafts could never pay for
+            # the proposer's start-up and memory.
+            log.info("prefill worker: speculative decoding is for decode workers; starting "
+                     "without it")
+            engine_cfg = engine_cfg.model_copy(update={"speculative_config": ""})
         tp = engine_cfg.tensor_parallel_size
         problem = kv_workers_tp_problem(tp, tp)
         if problem:  # before a minute of engine start-up, not after
@@ -129,7 +136,7 @@ class Worker:
             capacity=self.engine.config.max_num_seqs, model=facts.name,
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
-            pid=os.getpid(),
+            pid=os.getpid(), loras=tuple(self.engine.adapter_paths().items()),
         )
 
     def info(self) -> wpb.WorkerInfo:
@@ -144,7 +151,9 @@ class Worker:
             model=facts.name, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
             kv_load_failure_policy=self.config.kv_load_failure_policy,
             host=socket.gethostname(), capacity=self.engine.config.max_num_seqs,
-            dtype=facts.dtype,
+            dtype=facts.dtype, lora_adapters=[
+                pb.LoraAdapter(name=name, parent=facts.name, path=path)
+                for name, path in self.engine.adapter_paths().items()],
         )
 
 

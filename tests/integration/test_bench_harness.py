@@ -21,7 +21,7 @@ from services.bench import cli
 from services.bench.report import read_records_jsonl
 from tests.helpers.servers import DisaggStack
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 ROOT = Path(__file__).resolve().parents[2]
 PNG = b"\x89PNG\r\n\x1a\n"
 WORDS = ("hello", "world", "how", "are", "you", "today", "the", "a", "is", "fine")

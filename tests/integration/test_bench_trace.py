@@ -19,7 +19,7 @@ from services.bench.report import read_records_jsonl
 from tests.helpers.servers import ServerProcess
 from tests.integration.test_bench_harness import check_output_files, simulator
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 
 def write_jsonl(path: Path, rows: list[dict[str, object]]) -> Path:

@@ -15,7 +15,7 @@ from services.api.client import PdserveClient
 from tests.helpers.servers import free_port, stop_group
 from tests.integration.test_launcher import Up
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 class ConfiguredUp(Up):

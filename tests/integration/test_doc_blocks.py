@@ -26,7 +26,7 @@ from services.api.client import PdserveClient
 from tests.helpers.doc_blocks import ROOT, Block, collect, expected_outputs, shape_mismatch
 from tests.helpers.servers import stop_group
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 UP = "pdserve up --prefill 1 --decode 1 --port 50051 --http-port 8000"
 PORTS = (50051, 8000)
 BLOCK_TIMEOUT_S = 400

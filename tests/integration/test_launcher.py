@@ -38,7 +38,7 @@ from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import ServerProcess, free_port, scrape, stop_group
 from tests.helpers.sockets import Listener, listeners, pid_listening_on, tree
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 DRAIN_TOKENS = 400  # a stream that outlasts the scale-down (a second or two) on a fast host
 
 # Ray's own listeners, which take no bind address (see services/launcher/ray_cluster.py): they

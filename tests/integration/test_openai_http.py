@@ -136,7 +136,9 @@ BAD: list[tuple[str, dict[str, Any], int, str | None]] = [
     ("completions", {"prompt": "hi", "logprobs": 50}, 400, "logprobs"),
     # several answers need sampling: greedy n > 1 is refused, as vLLM refuses it
     ("completions", {"prompt": "hi", "n": 2, "temperature": 0}, 400, "n"),
-    ("completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+    ("completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
+    # echo is served, but not with logprobs: those would be the prompt's too
+    ("completions", {"prompt": "hi", "echo": True, "logprobs": 1}, 400, "echo"),
     ("completions", {"prompt": "hi", "model": "gpt-17"}, 404, "model"),
     ("chat/completions", {"messages": []}, 400, "messages"),
     ("chat/completions", {"messages": [{"role": "user", "content": "x"}], "top_logprobs": 2},

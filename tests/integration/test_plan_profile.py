@@ -12,7 +12,7 @@ import pytest
 
 from services.plan.costmodel import Profile
 
-pytestmark = [pytest.mark.engine, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.engine, pytest.mark.slow, pytest.mark.timeout(240)]
 ROOT = Path(__file__).resolve().parents[2]
 
 

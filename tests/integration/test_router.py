@@ -39,7 +39,7 @@ from tests.unit.test_pair_run import (
 )
 from tests.unit.test_pair_run import collect as collect_deltas
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 
 # The pool's cluster secret: workers sign their records with it, routers check them.

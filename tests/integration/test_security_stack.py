@@ -26,7 +26,7 @@ from services.security.tls import TLSFiles
 from services.server.channels import dial
 from tests.helpers.servers import DisaggStack, free_port
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 KEY = "alice-key-0123456789abcdef"
 PROMPT = "The capital of France is"

@@ -19,7 +19,7 @@ from tests.conftest import start_disagg
 from tests.helpers.servers import DisaggStack, ServerProcess
 from tests.integration.test_failover_local import listener_pid
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 # Long and counted: a constraint started again after the move would count anew.
 REGEX = r"([0-9]{3}-){12}[0-9]{3}"

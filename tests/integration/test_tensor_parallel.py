@@ -21,6 +21,8 @@ from services.api.client import PdserveClient, build_request
 from tests.helpers.servers import DisaggStack, ServerProcess
 from tests.helpers.tiny_llama import make_tiny_llama
 
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
+
 PROMPTS = [
     "The capital of France is",
     "Once upon a time, in a land far away,",

@@ -24,7 +24,7 @@ from tests.helpers.otlp_receiver import OtlpReceiver, Received
 from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import DisaggStack
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 CLIENT_TRACE = "0af7651916cd43dd8448eb211c80319c"
 CLIENT_SPAN = "b7ad6b7169203331"

@@ -30,7 +30,7 @@ from services.api.client import PdserveClient
 from tests.helpers.servers import stop_group
 from tests.integration.test_launcher import Up
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 # Third-party start-up noise that `--log-level info` must not show.
 NOISE = re.compile(r"Triton|FutureWarning|DeprecationWarning|NUMA|Token authentication|"

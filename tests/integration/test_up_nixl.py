@@ -19,7 +19,7 @@ from tests.helpers.prompts import TEXT_PROMPTS
 from tests.helpers.servers import scrape, stop_group
 from tests.integration.test_launcher import Up
 
-pytestmark = pytest.mark.engine
+pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
 FALLBACKS = "pdserve_kv_transport_fallbacks_total"
 

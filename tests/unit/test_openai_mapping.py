@@ -74,6 +74,9 @@ class ScriptedBackend:
                 raise step
             yield step
 
+    def adapter_paths(self) -> dict[str, str]:
+        return {}  # no LoRA adapters
+
 
 def _answer(logprobs: bool = False) -> list[Delta | PdserveError]:
     lps = [TokenLogprob(72, -0.1, [(72, -0.1), (73, -2.5)]),
@@ -133,7 +136,8 @@ def test_chat_mapping() -> None:
     ({"prompt": ["a", "b"]}, "prompt: 2 prompts"),
     ({"prompt": "a", "n": -1}, "n: -1 is out of range"),
     ({"prompt": "a", "best_of": 3}, "best_of: not supported"),
-    ({"prompt": "a", "echo": True}, "echo: not supported"),
+    ({"prompt": "a", "suffix": "!"}, "suffix: not supported"),
+    ({"prompt": "a", "echo": True, "logprobs": 1}, "echo: with logprobs"),
     ({"prompt": "a", "seed": -1}, "seed: -1 is out of range"),
     ({"prompt": "a", "max_tokens": 2**40}, "max_tokens: 1099511627776 is out of range"),
     ({"prompt": [1, 2**33]}, "prompt[1]:"),

@@ -44,6 +44,16 @@ class GenerationServiceStub:
                 request_serializer=pdserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.GenerationService/LoadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.GenerationService/UnloadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServiceServicer:
@@ -67,6 +77,25 @@ class GenerationServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter loads a LoRA adapter (a PEFT folder on the server) under a name that
+        requests then give as `model`; as vLLM's POST /v1/load_lora_adapter. INVALID_ARGUMENT
+        names what is wrong with the folder, or that the name is taken; the server goes on
+        serving. Disaggregated: every worker loads it (prefill and decode of one request run
+        under the same adapter).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """UnloadLoraAdapter unloads one; NOT_FOUND when no adapter has that name. Requests
+        naming it afterwards get NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +108,16 @@ def add_GenerationServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=pdserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +174,60 @@ class GenerationService:
             '/pdserve.v1.GenerationService/GetModelInfo',
             pdserve_dot_v1_dot_generate__pb2.GetModelInfoRequest.SerializeToString,
             pdserve_dot_v1_dot_generate__pb2.GetModelInfoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.GenerationService/LoadLoraAdapter',
+            pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.GenerationService/UnloadLoraAdapter',
+            pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -22,7 +22,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy", "host", "capacity", "dtype")
+    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy", "host", "capacity", "dtype", "lora_adapters")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -37,6 +37,7 @@ class WorkerInfo(_message.Message):
     HOST_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     epoch: int
@@ -51,7 +52,8 @@ class WorkerInfo(_message.Message):
     host: str
     capacity: int
     dtype: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ..., host: _Optional[str] = ..., capacity: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    lora_adapters: _containers.RepeatedCompositeFieldContainer[_generate_pb2.LoraAdapter]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ..., host: _Optional[str] = ..., capacity: _Optional[int] = ..., dtype: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[_generate_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
 
 class KVTarget(_message.Message):
     __slots__ = ("worker_id", "epoch", "kv_address", "kv_transport", "fingerprint_digest", "same_host")
@@ -70,7 +72,7 @@ class KVTarget(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
-    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall")
+    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall", "lora_name")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -78,6 +80,7 @@ class TransferHandle(_message.Message):
     DECODE_EPOCH_FIELD_NUMBER: _ClassVar[int]
     PREFILL_DONE_WALL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_WALL_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prefill_worker_id: str
     prefill_epoch: int
@@ -85,10 +88,11 @@ class TransferHandle(_message.Message):
     decode_epoch: int
     prefill_done_wall: float
     prefill_start_wall: float
-    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault", "generated_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault", "generated_tokens", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +100,7 @@ class PrefillRequest(_message.Message):
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -103,7 +108,8 @@ class PrefillRequest(_message.Message):
     transfer_id: str
     fault: str
     generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_token_text", "logprobs", "finished", "finish_reason", "stop_reason", "handle", "queue_s", "prefill_s", "cached_tokens")
@@ -140,7 +146,7 @@ class ReleaseResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "handle", "fault", "generated_tokens")
+    __slots__ = ("request_id", "prompt_token_ids", "first_token_id", "sampling", "handle", "fault", "generated_tokens", "lora_name")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
@@ -148,6 +154,7 @@ class DecodeRequest(_message.Message):
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     FAULT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     first_token_id: int
@@ -155,4 +162,5 @@ class DecodeRequest(_message.Message):
     handle: TransferHandle
     fault: str
     generated_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ...) -> None: ...
+    lora_name: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...

@@ -176,6 +176,16 @@ class DecodeServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/LoadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoraAdapter = channel.unary_unary(
+                '/pdserve.v1.DecodeService/UnloadLoraAdapter',
+                request_serializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeServiceServicer:
@@ -210,6 +220,21 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoraAdapter(self, request, context):
+        """LoadLoraAdapter / UnloadLoraAdapter: this worker's LoRA adapters (a prefill worker
+        serves DecodeService too, so every worker answers them). Loading a name already
+        loaded from the same folder is not an error; unloading an unknown one is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoraAdapter(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -227,6 +252,16 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'LoadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoraAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoraAdapter,
+                    request_deserializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -311,6 +346,60 @@ class DecodeService:
             '/pdserve.v1.DecodeService/GetWorkerInfo',
             pdserve_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
             pdserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/LoadLoraAdapter',
+            pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.LoadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoraAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/UnloadLoraAdapter',
+            pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
+            pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

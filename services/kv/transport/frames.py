@@ -180,6 +180,7 @@ def spec_to_dict(spec: TransferSpec) -> dict[str, Any]:
         "num_tokens": spec.num_tokens,
         "receiver_epoch": spec.receiver_epoch,
         "receiver_fingerprint": spec.receiver_fingerprint,
+        "lora": spec.lora,
     }
 
 
@@ -196,6 +197,7 @@ def spec_from_dict(d: dict[str, Any]) -> TransferSpec:
             num_tokens=field(d, "num_tokens", int),
             receiver_epoch=field(d, "receiver_epoch", int),
             receiver_fingerprint=field(d, "receiver_fingerprint", str),
+            lora=field(d, "lora", str) if "lora" in d else "",
         )
     except ValueError as e:
         raise FrameError(f"bad transfer spec: {e}") from None

@@ -24,6 +24,9 @@ class TransferSpec:
     num_tokens: int  # tokens whose KV the blocks hold (informational for the receiver)
     receiver_epoch: int  # epoch of the receiver the sender expects; a stale one is refused
     receiver_fingerprint: str  # layout digest the sender expects the receiver to have
+    # The LoRA adapter the KV was computed with ("" = the base model): the consumer
+    # loads it only into a request that runs under the same adapter.
+    lora: str = ""
 
     def __post_init__(self) -> None:
         if not self.transfer_id or len(self.transfer_id) > 256:
