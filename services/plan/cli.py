@@ -107,6 +107,19 @@ def _s(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
 
 
+def _traffic(args: argparse.Namespace) -> tuple[Any, ...]:
+    """What a prediction replays, from the flags: rates, SLOs (and the also-ranked ones),
+    request count, workload and arrivals."""
+    rates = list(args.rates)
+    if any(math.isinf(r) for r in rates):
+        raise ValueError("predictions need finite rates")
+    slos, also = parse_slos(args.slo), parse_slos(args.also_slo) if args.also_slo else None
+    n = request_count(args, rates)
+    workload = workload_config(args, min(n, 10_000))
+    arrivals = arrival_config(args, rates[0])
+    return rates, slos, also, n, workload, arrivals
+
+
 def _predict(args: argparse.Namespace) -> int:
     from services.plan.configs import configurations, helm_values, to_yaml, up_flags
     from services.plan.costmodel import Profile
@@ -115,13 +128,7 @@ def _predict(args: argparse.Namespace) -> int:
     from services.traffic.workload import load_tokenizer
 
     profile = Profile.load(profile_path(args.profile))
-    rates = list(args.rates)
-    if any(math.isinf(r) for r in rates):
-        raise ValueError("predictions need finite rates")
-    slos, also = parse_slos(args.slo), parse_slos(args.also_slo) if args.also_slo else None
-    n = request_count(args, rates)
-    workload = workload_config(args, min(n, 10_000))
-    arrivals = arrival_config(args, rates[0])
+    rates, slos, also, n, workload, arrivals = _traffic(args)
     tokenizer = load_tokenizer(args.tokenizer) if args.tokenizer else None
     units = args.units or profile.units_total
     configs = configurations(profile, units, args.budgets, args.thresholds, args.engine_units,
@@ -186,13 +193,7 @@ def _predict_shapes(args: argparse.Namespace) -> int:
     from services.plan.shapes import plan_shapes, profile_for, rank_shapes
 
     model, gpu, spec, modes = _shape_args(args)
-    rates = list(args.rates)
-    if any(math.isinf(r) for r in rates):
-        raise ValueError("predictions need finite rates")
-    slos, also = parse_slos(args.slo), parse_slos(args.also_slo) if args.also_slo else None
-    n = request_count(args, rates)
-    workload = workload_config(args, min(n, 10_000))
-    arrivals = arrival_config(args, rates[0])
+    rates, slos, also, n, workload, arrivals = _traffic(args)
     requests, _ = schedule(workload, arrivals, n)
     longest = max(r.prompt + r.out for r in requests)
     units = args.units or gpu.node_gpus
