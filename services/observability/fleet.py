@@ -116,6 +116,7 @@ class Row:
     kv_gbytes_per_s: float | None = None  # KV received (decode workers)
     errors: int | None = None  # failed KV transfers + requests vLLM ended with an error
     migrations: int | None = None  # streams moved off this worker (from router metrics)
+    tp: int = 1  # tensor-parallel size, as registered
 
 
 @dataclass
@@ -167,6 +168,7 @@ def make_row(
         r.load.kv_usage,
         max(0.0, wall - r.updated),
         c is not None,
+        tp=r.tp,
     )
     row.prompt_tokens_per_s = _rate(now, before, "prompt_tokens")
     row.generation_tokens_per_s = _rate(now, before, "generation_tokens")

@@ -39,6 +39,7 @@ DESCRIPTION = (
 COLUMNS = (
     "worker",
     "role",
+    "TP",
     "host",
     "metrics",
     "started",
@@ -84,6 +85,7 @@ def cells(row: Row) -> list[str]:
     return [
         row.worker_id,
         row.role,
+        str(row.tp),
         row.host,
         row.metrics_address or "-",
         started(row),

@@ -59,6 +59,12 @@ class WorkerRecord:
     max_model_len: int = 0
     vocab_size: int = 0
     dtype: str = ""
+    # The KV layout, for operators and the planner (the fingerprint decides pairing):
+    # tensor-parallel size, KV heads in each rank's cache and tokens per KV block
+    # (0 = not reported: an older writer).
+    tp: int = 1
+    kv_heads: int = 0
+    block_size: int = 0
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated: float = 0.0  # time.time() of the last heartbeat
     pid: int = 0  # the serving process, for operators (and failure drills)
@@ -170,6 +176,28 @@ def _check_values(r: WorkerRecord) -> None:
             _check_address(name, value)
     if r.capacity < 1 or r.metrics_port < 0 or r.metrics_port > 65535:
         raise BadRecord("schema", "capacity or metrics_port out of range")
+    if r.tp < 1 or r.kv_heads < 0 or r.block_size < 0:
+        raise BadRecord("schema", f"tp {r.tp} must be >= 1, kv_heads {r.kv_heads} and "
+                        f"block_size {r.block_size} >= 0")
+
+
+# The parts of a KV layout a record names, as people read them.
+_LAYOUT = (("model", "model"), ("dtype", "dtype"), ("tp", "tensor-parallel size"),
+           ("kv_heads", "KV heads per rank"), ("block_size", "KV block size"))
+
+
+def layout_differences(a: WorkerRecord, b: WorkerRecord) -> list[str]:
+    """Why KV cannot move between `a` and `b`, one phrase per part of the layout that
+    differs ("tensor-parallel size 1 != 2"); [] when their fingerprints agree. A part
+    either writer left unreported is not compared; when no reported part differs, the
+    fingerprints still do, and the phrase says so."""
+    if a.fingerprint == b.fingerprint:
+        return []
+    out = [f"{words} {getattr(a, name)!r} != {getattr(b, name)!r}" for name, words in _LAYOUT
+           if getattr(a, name) and getattr(b, name) and getattr(a, name) != getattr(b, name)]
+    return out or [f"KV layout fingerprint {a.fingerprint} != {b.fingerprint}, in a part "
+                   "the records do not report (layers, head size, page packing, pdserve "
+                   "version)"]
 
 
 def _check_address(name: str, value: str) -> None:

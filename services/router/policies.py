@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from services.registry.records import WorkerRecord
+from services.registry.records import WorkerRecord, layout_differences
 
 KV_FULL = 0.95  # a decode worker above this KV usage takes no new requests
 
@@ -107,6 +107,22 @@ def prefill_pool_full(choice: Choice, local: LocalLoad, max_queued_tokens: int) 
 
 def compatible(p: WorkerRecord, d: WorkerRecord) -> bool:
     return p.fingerprint == d.fingerprint
+
+
+def unpaired(workers: Sequence[WorkerRecord]) -> list[str]:
+    """Each decode worker that no prefill worker can feed, with why in words: its
+    requests prefill on it alone, and operators should see that rather than infer it
+    from latency. [] when every decode worker has a partner, or there is no prefill
+    worker at all (a decode-only stack is not a mismatch)."""
+    prefills = [w for w in workers if w.role == "prefill"]
+    out = []
+    for d in (w for w in workers if w.role == "decode"):
+        if prefills and not any(compatible(p, d) for p in prefills):
+            why = "; ".join(f"{p.worker_id}: {', '.join(layout_differences(p, d))}"
+                            for p in prefills)
+            out.append(f"decode worker {d.worker_id} has no prefill worker with its KV "
+                       f"layout, so it prefills its own requests ({why})")
+    return out
 
 
 class RoundRobin:

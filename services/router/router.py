@@ -53,6 +53,7 @@ from services.router.policies import (
     choose_with_adapter,
     make_policy,
     prefill_pool_full,
+    unpaired,
 )
 from services.router.prefix import PrefixHints, block_hashes
 from services.router.view import WorkerView
@@ -93,6 +94,7 @@ class RouterBackend:
         self.inflight = 0
         self.fault = fault  # fault injection on every request (tests; workers must allow)
         self._view: list[WorkerRecord] = []
+        self._unpaired: list[str] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peers: dict[tuple[str, str], Peer] = {}  # (worker id, address) -> its calls
         self._facts: ModelFacts | None = None
@@ -134,6 +136,10 @@ class RouterBackend:
             self._empty_since = float("inf")
         self._view = view
         self.adapters.prune(view)
+        if (problems := unpaired(view)) != self._unpaired:  # once per change, not per refresh
+            self._unpaired = problems
+            for line in problems:
+                log.warning("%s", line)
         decode = next((w for w in self._view if w.role == "decode"), None)
         if decode is not None and self._facts is None:
             self._facts = model_facts(self._tokenizer, self._model_path,

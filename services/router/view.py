@@ -35,7 +35,10 @@ def record_of(info: wpb.WorkerInfo, address: str) -> WorkerRecord:
     """A worker as its own GetWorkerInfo describes it (no load: the router's own
     in-flight counts stand in for heartbeats)."""
     role = "prefill" if info.role == wpb.WORKER_ROLE_PREFILL else "decode"
-    dtype = info.dtype or json.loads(info.fingerprint_json or "{}").get("dtype", "")
+    # WorkerInfo carries no TP size; the record's default, 1, is right because a worker
+    # that moves KV starts only at TP 1 (`Worker.start`).
+    layout = json.loads(info.fingerprint_json or "{}")
+    dtype = info.dtype or layout.get("dtype", "")
     return WorkerRecord(
         worker_id=info.worker_id, role=role, address=address, host=info.host,
         epoch=int(info.epoch), fingerprint=info.fingerprint_digest,
@@ -43,6 +46,7 @@ def record_of(info: wpb.WorkerInfo, address: str) -> WorkerRecord:
         kv_transport=info.kv_transport if role == "decode" else "",
         capacity=int(info.capacity) or 64, model=info.model,
         max_model_len=int(info.max_model_len), vocab_size=int(info.vocab_size), dtype=dtype,
+        kv_heads=int(layout.get("num_kv_heads", 0)), block_size=int(layout.get("block_size", 0)),
         loras=tuple(sorted((a.name, a.path) for a in info.lora_adapters)))
 
 

@@ -135,6 +135,8 @@ class Worker:
             metrics_port=metrics_port, metrics_address=metrics_address,
             capacity=self.engine.config.max_num_seqs, model=facts.name,
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
+            tp=self.engine.config.tensor_parallel_size,
+            kv_heads=self.fingerprint.num_kv_heads, block_size=self.fingerprint.block_size,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
             pid=os.getpid(), loras=tuple(self.engine.adapter_paths().items()),
         )

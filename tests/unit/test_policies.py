@@ -12,6 +12,7 @@ from services.router.policies import (
     RoundRobin,
     RouteInput,
     prefill_pool_full,
+    unpaired,
 )
 
 
@@ -69,6 +70,18 @@ def test_same_host_pair_preferred_and_layouts_must_match() -> None:
     fallback = policy.choose(other, decodes, RouteInput(100), LocalLoad())
     assert fallback is not None and fallback.prefill is None
     assert fallback.reason == "local_no_prefill"
+
+
+def test_a_decode_worker_no_prefill_worker_can_feed_is_named_with_why() -> None:
+    d = WorkerRecord(worker_id="d1", role="decode", address="d1:1", host="h1", epoch=1,
+                     fingerprint="aa", tp=1, kv_heads=8, block_size=16)
+    p = WorkerRecord(worker_id="p1", role="prefill", address="p1:1", host="h1", epoch=1,
+                     fingerprint="bb", tp=2, kv_heads=4, block_size=16)
+    (line,) = unpaired([p, d])
+    assert "decode worker d1" in line and "p1: tensor-parallel size 2 != 1" in line
+    assert "KV heads per rank 4 != 8" in line and "block size" not in line
+    assert unpaired([p, d, worker("p2", "prefill", fp="aa")]) == []  # one partner is enough
+    assert unpaired([d]) == []  # no prefill pool: not a mismatch
 
 
 def test_conditional_disaggregation() -> None:

@@ -9,7 +9,7 @@ from dataclasses import asdict
 import pytest
 
 from services.launcher.desired import Desired
-from services.registry.records import BadRecord, WorkerLoad, WorkerRecord
+from services.registry.records import BadRecord, WorkerLoad, WorkerRecord, layout_differences
 from services.registry.signing import RecordSigner, record_signer
 
 SECRET = b"s" * 32
@@ -33,6 +33,32 @@ def test_unknown_fields_are_ignored_and_missing_optional_ones_defaulted() -> Non
         "decode-0", 64, "", 0, 3, 0)
 
 
+def test_the_kv_layout_round_trips_and_an_older_record_reads_as_tp_1() -> None:
+    r = WorkerRecord.from_json(json.dumps(record(tp=2, kv_heads=4, block_size=16,
+                                                 dtype="bfloat16")))
+    assert (r.tp, r.kv_heads, r.block_size, r.dtype) == (2, 4, 16, "bfloat16")
+    assert WorkerRecord.from_json(json.dumps(r.to_dict())) == r
+    older = record()
+    for name in ("tp", "kv_heads", "block_size"):
+        del older[name]
+    r = WorkerRecord.from_dict(older)
+    assert (r.tp, r.kv_heads, r.block_size) == (1, 0, 0)  # 0: not reported
+
+
+def test_layout_differences_say_which_part_of_the_layout_differs() -> None:
+    def layout(fingerprint: str, **parts: object) -> WorkerRecord:
+        return WorkerRecord.from_dict(record(fingerprint=fingerprint, model="m",
+                                             dtype="bfloat16", **parts))
+
+    a = layout("aa", tp=1, kv_heads=8, block_size=16)
+    assert layout_differences(a, a) == []
+    assert layout_differences(a, layout("bb", tp=2, kv_heads=4, block_size=32)) == [
+        "tensor-parallel size 1 != 2", "KV heads per rank 8 != 4", "KV block size 16 != 32"]
+    # An older writer's unreported parts are not compared; the fingerprints still say why.
+    (why,) = layout_differences(a, layout("bb"))
+    assert why.startswith("KV layout fingerprint aa != bb")
+
+
 @pytest.mark.parametrize(("text", "reason"), [
     ("{not json", "json"),
     ("[1, 2]", "schema"),
@@ -49,7 +75,8 @@ def test_what_is_not_a_json_object_is_refused(text: str | bytes, reason: str) ->
     {"epoch": "7"}, {"epoch": True}, {"capacity": 1.5}, {"address": 5000},
     {"role": "janitor"}, {"kv_transport": "carrier-pigeon"}, {"address": "no-port"},
     {"address": "host:99999"}, {"worker_id": ""}, {"capacity": 0}, {"load": [1]},
-    {"load": {"running": "many"}}, {"updated": "yesterday"},
+    {"load": {"running": "many"}}, {"updated": "yesterday"}, {"tp": 0}, {"tp": "2"},
+    {"kv_heads": -1}, {"block_size": -16}, {"block_size": 16.0},
 ])
 def test_wrong_types_and_values_are_schema_errors(changes: dict[str, object]) -> None:
     with pytest.raises(BadRecord) as e:

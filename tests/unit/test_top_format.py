@@ -19,7 +19,7 @@ from services.observability.discovery import (
     write_atomically,
 )
 from services.observability.fleet import Row, started_age_s
-from services.observability.top import UNSIGNED_NOTE, age, cells, source
+from services.observability.top import COLUMNS, UNSIGNED_NOTE, age, cells, source
 from services.registry.local_stack import LocalStack, write_state
 from services.registry.records import BadRecord, WorkerRecord
 from services.server.settings import ServerSettings
@@ -83,8 +83,14 @@ def test_an_epoch_is_shown_as_the_age_of_the_workers_start() -> None:
     assert "12m05s ago" in text and str(EPOCH) not in text
     assert "127.0.0.1:39001" in text
     assert str(3) in cells(row(epoch=3, started_age_s=None))  # no time: shown raw
-    assert cells(row(metrics_address=""))[3] == "-"
+    assert cells(row(metrics_address=""))[COLUMNS.index("metrics")] == "-"
     assert cells(row(migrations=2))[-2] == "2" and cells(row())[-2] == "-"
+
+
+def test_each_worker_shows_its_tensor_parallel_size() -> None:
+    assert len(cells(row())) == len(COLUMNS)
+    assert cells(row(tp=4))[COLUMNS.index("TP")] == "4"
+    assert cells(row())[COLUMNS.index("TP")] == "1"  # an older record: TP 1
 
 
 def test_the_metrics_address_is_the_registered_one_else_the_grpc_host_and_port() -> None:
