@@ -70,17 +70,19 @@ async def test_first_logprobs_requests_compile_nothing_new(
     assert compiled(inductor_cache) == before
 
 
-def _default_sigint() -> None:
-    # A test run in the background inherits SIGINT ignored; a user's shell does not.
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
+# A test run in the background inherits SIGINT ignored, which Python keeps; a user's
+# shell does not. The child restores Ctrl-C itself: a `preexec_fn` would make
+# subprocess fork() this process, whose gRPC threads may be mid-call, and the child
+# can then abort inside gRPC's fork handlers before it ever runs pdserve.
+_WITH_CTRL_C = ("import signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+                "from services.cli import main; sys.exit(main(sys.argv[1:]))")
 
 
 def pdserve(*args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "services.cli", *args],
+        [sys.executable, "-c", _WITH_CTRL_C, *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
-        preexec_fn=_default_sigint,
     )
 
 
