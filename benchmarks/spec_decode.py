@@ -163,9 +163,10 @@ def plot(summary: dict[str, Any], path: str) -> None:
                     textcoords="offset points", ha="center", fontsize=8)
     ax.set_xticks(range(len(names)), names)
     ax.set_ylabel("TPOT p50 (ms)")
-    ax.set_title(f"ngram speculative decoding on the decode worker "
-                 f"({summary['concurrency']} stream(s) per stack)")
-    ax.legend()
+    ax.set_title(f"ngram drafts on the decode worker, {summary['concurrency']} stream(s) "
+                 "per stack", fontsize=10)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.3)  # room for the legend above the bars
+    ax.legend(loc="upper center", ncol=2, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
