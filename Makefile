@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 PROTOS := $(wildcard proto/pdserve/v1/*.proto)
 
-.PHONY: help setup system-deps proto model run test test-slow test-unit gpu-check images test-containers lint clean
+.PHONY: help setup system-deps proto model run test test-slow test-netns test-unit gpu-check images test-containers lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -61,6 +61,12 @@ test: setup  ## the test suite (starts real vLLM engines, redis-server, gRPC ser
 # parallelism, the docs' blocks, the bench harness, a secured and a traced stack.
 test-slow: setup  ## the slow modules: whole `pdserve up` stacks, TP engines, docs blocks, bench runs
 	$(PY) -m pytest tests -m slow --durations=15
+
+# Each service in a network namespace of its own on a bridge, bound to its host's address
+# (tests/netns): parity across the links, and a partition. Needs root and iproute2; the
+# modules are also `slow`, so `make test-slow` runs them too.
+test-netns: setup  ## services on hosts of their own (network namespaces; root): parity, a partition
+	$(PY) -m pytest tests/netns -m netns --durations=15
 
 test-unit: $(VENV)/.installed  ## fast tests of pure logic only
 	$(PY) -m pytest tests/unit

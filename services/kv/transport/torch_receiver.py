@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import datetime
 import logging
+import os
+import socket
 import threading
 import time
 import uuid
@@ -145,14 +147,25 @@ class TorchDistReceiver(GrpcKVReceiver):
     def __init__(
         self, identity: PeerIdentity, config: TransportConfig, host: str, port: int
     ) -> None:
-        # The rendezvous store lives on its own port for the receiver's whole life.
-        self._store = TCPStore(
-            host,
-            0,
-            is_master=True,
-            wait_for_workers=False,
-            timeout=datetime.timedelta(seconds=config.stall_timeout_s),
-        )
+        # The rendezvous store lives on its own port for the receiver's whole life. Its
+        # server would listen on every interface whatever `host` says, so it is handed a
+        # socket bound to `host` (TCPStore owns and closes the descriptor).
+        listener = socket.create_server(
+            (host, 0), family=socket.AF_INET6 if ":" in host else socket.AF_INET)
+        store_port = listener.getsockname()[1]
+        fd = listener.detach()
+        try:
+            self._store = TCPStore(
+                host,
+                store_port,
+                is_master=True,
+                wait_for_workers=False,
+                timeout=datetime.timedelta(seconds=config.stall_timeout_s),
+                master_listen_fd=fd,
+            )
+        except BaseException:
+            os.close(fd)
+            raise
         self._groups: set[Any] = set()
         self._groups_lock = threading.Lock()
         super().__init__(identity, config, host, port)

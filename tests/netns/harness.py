@@ -1,0 +1,316 @@
+"""Hosts that are not loopback, on one machine: a Linux bridge and one network namespace
+per host, each with its own address on a private subnet, for starting pdserve's services
+as they would run on separate machines.
+
+    fabric = Fabric.create(["redis", "router", "prefill", "decode"])
+    fabric.addr("decode")                        # e.g. "10.77.12.5"
+    proc = fabric.popen("decode", [...], log)    # runs in that host's namespace
+    fabric.shape("decode", delay_ms=1, rate_mbit=1000)
+    fabric.cut("decode"); ...; fabric.restore("decode")
+    fabric.close()
+
+Each host also gets its own UTS namespace (hostname): pdserve treats two workers with one
+hostname as one machine and moves their KV through shared memory, which would bypass the
+links under test. The machine running the tests reaches every host through the bridge,
+whose address is the subnet's `.1` (it plays the clients' machine).
+
+Everything is named after the creating process's id (`pdn<pid>...`), so concurrent runs
+never collide and a run killed before its teardown is recognised and removed by the next
+one (`sweep_stale`). Needs root, `ip` (iproute2), `tc`, `unshare`, `ss`, and iptables for
+cuts between two hosts. Link delay needs the kernel's netem qdisc; where the kernel lacks
+it, `shape` limits the rate (tbf) and reports that no delay was added.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PREFIX = "pdn"  # every namespace and link this harness makes starts with it
+_OWNED = re.compile(rf"^{PREFIX}(\d+)")
+SUBNET_BASE = "10.77"  # hosts get 10.77.<n>.0/24, n chosen per run
+# `ip netns exec NS` bind-mounts the files of /etc/netns/NS over /etc: each host's
+# /etc/hosts names every host, and its resolv.conf names no server, so a name lookup
+# (vLLM and Python's socket.getfqdn make some) answers at once instead of waiting out the
+# timeouts of a DNS server the namespace cannot reach.
+ETC_NETNS = Path("/etc/netns")
+
+
+class FabricError(RuntimeError):
+    """A namespace, link or qdisc could not be made or changed; says what failed."""
+
+
+def _run(cmd: list[str], check: bool = True) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+    if check and proc.returncode != 0:
+        raise FabricError(f"`{' '.join(cmd)}` failed ({proc.returncode}): "
+                          f"{(proc.stderr or proc.stdout).strip()}")
+    return proc
+
+
+def unavailable() -> str | None:
+    """Why namespaces cannot be made here (a skip reason), or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    for tool in ("ip", "tc", "unshare", "ss"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (Debian: apt-get install iproute2 util-linux)"
+    probe = f"{PREFIX}{os.getpid()}-probe"
+    made = _run(["ip", "netns", "add", probe], check=False)
+    if made.returncode != 0:
+        return f"`ip netns add` does not work here: {made.stderr.strip()}"
+    _run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _namespaces() -> list[str]:
+    out = _run(["ip", "netns", "list"], check=False).stdout
+    return [line.split()[0] for line in out.splitlines() if line.strip()]
+
+
+def _links() -> list[str]:
+    out = _run(["ip", "-o", "link", "show"], check=False).stdout
+    # "12: pdn123v0@if11: <...>" -> "pdn123v0"
+    return [line.split(":")[1].strip().split("@")[0] for line in out.splitlines()
+            if line.count(":") >= 2]
+
+
+def _kill_namespace_processes(ns: str) -> None:
+    """SIGKILL what still runs in `ns` (processes a harness started there, by pid)."""
+    out = _run(["ip", "netns", "pids", ns], check=False).stdout
+    for pid in (int(p) for p in out.split() if p.isdigit()):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _remove(namespaces: list[str], links: list[str]) -> None:
+    for ns in namespaces:
+        _kill_namespace_processes(ns)
+    for ns in namespaces:
+        _run(["ip", "netns", "del", ns], check=False)
+        shutil.rmtree(ETC_NETNS / ns, ignore_errors=True)
+    for link in links:  # veth peers vanish with their namespace; the bridge stays
+        _run(["ip", "link", "del", link], check=False)
+
+
+def sweep_stale() -> list[str]:
+    """Remove namespaces and links of runs whose process is gone (a run killed before its
+    teardown); returns their names."""
+    def stale(name: str) -> bool:
+        m = _OWNED.match(name)
+        return m is not None and not _alive(int(m.group(1)))
+
+    namespaces = [ns for ns in _namespaces() if stale(ns)]
+    if ETC_NETNS.is_dir():
+        namespaces += [p.name for p in ETC_NETNS.iterdir()
+                       if stale(p.name) and p.name not in namespaces]
+    links = [link for link in _links() if stale(link)]
+    _remove(namespaces, links)
+    return namespaces + links
+
+
+def _free_subnet() -> ipaddress.IPv4Network:
+    """A /24 under SUBNET_BASE that no interface of this machine is on."""
+    used = _run(["ip", "-4", "-o", "addr", "show"], check=False).stdout
+    start = os.getpid() % 250
+    for i in range(250):
+        n = (start + i) % 250 + 1
+        if f" {SUBNET_BASE}.{n}." not in used:
+            return ipaddress.IPv4Network(f"{SUBNET_BASE}.{n}.0/24")
+    raise FabricError(f"every {SUBNET_BASE}.x.0/24 subnet is in use on this machine")
+
+
+@dataclass
+class Host:
+    name: str
+    ns: str
+    addr: str
+    veth: str  # the bridge-side end; the namespace's end is `eth0`
+
+
+@dataclass
+class Fabric:
+    """A bridge and one namespace per host (see the module's docstring)."""
+
+    subnet: ipaddress.IPv4Network
+    bridge: str
+    hosts: dict[str, Host] = field(default_factory=dict)
+    netem: bool | None = None  # does this kernel have netem (known after the first shape)
+    _cuts: set[tuple[str, str]] = field(default_factory=set)
+
+    @classmethod
+    def create(cls, names: list[str]) -> Fabric:
+        sweep_stale()
+        tag = f"{PREFIX}{os.getpid()}"
+        subnet = _free_subnet()
+        fabric = cls(subnet, f"{tag}br")
+        try:
+            gateway = f"{subnet.network_address + 1}"
+            _run(["ip", "link", "add", fabric.bridge, "type", "bridge"])
+            _run(["ip", "addr", "add", f"{gateway}/{subnet.prefixlen}", "dev", fabric.bridge])
+            _run(["ip", "link", "set", fabric.bridge, "up"])
+            for i, name in enumerate(names):
+                fabric._add_host(name, f"{tag}-{name}", f"{tag}v{i}",
+                                 f"{subnet.network_address + 2 + i}", gateway)
+            fabric._write_etc()
+        except BaseException:
+            fabric.close()
+            raise
+        return fabric
+
+    def _add_host(self, name: str, ns: str, veth: str, addr: str, gateway: str) -> None:
+        peer = f"{veth}p"
+        _run(["ip", "netns", "add", ns])
+        self.hosts[name] = Host(name, ns, addr, veth)
+        _run(["ip", "link", "add", veth, "type", "veth", "peer", "name", peer])
+        _run(["ip", "link", "set", peer, "netns", ns])
+        _run(["ip", "link", "set", veth, "master", self.bridge])
+        _run(["ip", "link", "set", veth, "up"])
+        inside = ["ip", "netns", "exec", ns]
+        _run([*inside, "ip", "link", "set", peer, "name", "eth0"])
+        _run([*inside, "ip", "addr", "add", f"{addr}/{self.subnet.prefixlen}", "dev", "eth0"])
+        _run([*inside, "ip", "link", "set", "eth0", "up"])
+        # Loopback is each host's own (vLLM's engine talks to its core process over it).
+        _run([*inside, "ip", "link", "set", "lo", "up"])
+        _run([*inside, "ip", "route", "add", "default", "via", gateway])
+
+    def _write_etc(self) -> None:
+        hosts = "127.0.0.1 localhost\n" + "".join(
+            f"{h.addr} {h.name}\n" for h in self.hosts.values())
+        for h in self.hosts.values():
+            etc = ETC_NETNS / h.ns
+            etc.mkdir(parents=True, exist_ok=True)
+            (etc / "hosts").write_text(hosts)
+            (etc / "resolv.conf").write_text("# no DNS server: names are in /etc/hosts\n")
+
+    # -- running things in a host -------------------------------------------------------
+    def addr(self, name: str) -> str:
+        return self.hosts[name].addr
+
+    def prefix(self, name: str) -> list[str]:
+        """The command prefix that runs what follows in `name`'s network namespace, with
+        its own hostname (`name`)."""
+        host = self.hosts[name]
+        return ["ip", "netns", "exec", host.ns, "unshare", "--uts", "sh", "-c",
+                f'echo {name} > /proc/sys/kernel/hostname && exec "$@"', "sh"]
+
+    def run(self, name: str, cmd: list[str], check: bool = True
+            ) -> subprocess.CompletedProcess[str]:
+        return _run(["ip", "netns", "exec", self.hosts[name].ns, *cmd], check=check)
+
+    def popen(self, name: str, cmd: list[str], log: Path, env: dict[str, str] | None = None
+              ) -> subprocess.Popen[bytes]:
+        """`cmd` in `name`'s namespace, in a session of its own (stop it with
+        `stop_group`), its output in `log`. Every exec in the prefix replaces its
+        process, so the pid returned is the command's own."""
+        with log.open("ab") as out:
+            return subprocess.Popen([*self.prefix(name), *cmd], stdout=out,
+                                    stderr=subprocess.STDOUT, start_new_session=True,
+                                    env={**os.environ, **(env or {})})
+
+    def listeners(self, name: str) -> list[str]:
+        """Local addresses of the TCP sockets listening in `name` (`ip:port`)."""
+        out = self.run(name, ["ss", "-H", "-l", "-t", "-n"]).stdout
+        return [line.split()[3] for line in out.splitlines() if line.strip()]
+
+    # -- links ----------------------------------------------------------------------------
+    def shape(self, name: str, delay_ms: float, rate_mbit: int) -> bool:
+        """Both directions of `name`'s link: `delay_ms` each way and at most `rate_mbit`.
+        True when the delay was applied; False where the kernel has no netem, in which
+        case only the rate is limited (tbf)."""
+        host = self.hosts[name]
+        ends = [(["ip", "netns", "exec", host.ns], "eth0"), ([], host.veth)]
+        if self.netem is not False:
+            probe = _run([*ends[0][0], "tc", "qdisc", "replace", "dev", "eth0", "root",
+                          "netem", "delay", f"{delay_ms}ms", "rate", f"{rate_mbit}mbit"],
+                         check=False)
+            self.netem = probe.returncode == 0
+            if not self.netem and "unknown" not in probe.stderr.lower():
+                raise FabricError(f"tc netem on {name}: {probe.stderr.strip()}")
+        for prefix, dev in ends:
+            if self.netem:
+                qdisc = ["netem", "delay", f"{delay_ms}ms", "rate", f"{rate_mbit}mbit"]
+            else:
+                # A bucket of 4 ms at the rate (and never under 64 KiB, or a full-size
+                # segment could not pass); a queue of at most 100 ms before drops.
+                burst = max(64 << 10, rate_mbit * 1_000_000 // 8 // 250)
+                qdisc = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst),
+                         "latency", "100ms"]
+            _run([*prefix, "tc", "qdisc", "replace", "dev", dev, "root", *qdisc])
+        return bool(self.netem)
+
+    def qdiscs(self, name: str) -> str:
+        """`tc qdisc show` of both ends of `name`'s link."""
+        host = self.hosts[name]
+        inside = self.run(name, ["tc", "qdisc", "show", "dev", "eth0"]).stdout
+        outside = _run(["tc", "qdisc", "show", "dev", host.veth]).stdout
+        return inside + outside
+
+    def cut(self, name: str) -> None:
+        """Partition `name` from every other host: its bridge port goes down, so packets
+        are dropped both ways and nothing tells either side (no reset, no unreachable)."""
+        _run(["ip", "link", "set", self.hosts[name].veth, "down"])
+
+    def restore(self, name: str) -> None:
+        _run(["ip", "link", "set", self.hosts[name].veth, "up"])
+
+    def cut_between(self, a: str, b: str) -> None:
+        """Drop every packet between `a` and `b` only (iptables in `a`'s namespace, both
+        directions); each keeps reaching the other hosts."""
+        for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
+            self.run(a, ["iptables", "-I", chain, flag, self.addr(b), "-j", "DROP"])
+        self._cuts.add((a, b))
+
+    def restore_between(self, a: str, b: str) -> None:
+        for chain, flag in (("INPUT", "-s"), ("OUTPUT", "-d")):
+            self.run(a, ["iptables", "-D", chain, flag, self.addr(b), "-j", "DROP"],
+                     check=False)
+        self._cuts.discard((a, b))
+
+    def close(self) -> None:
+        """Remove every namespace and the bridge, killing what still runs in them."""
+        _remove([h.ns for h in self.hosts.values()], [self.bridge])
+        self.hosts.clear()
+
+
+def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """SIGTERM a process started in its own session, then SIGKILL what is left."""
+    if proc.poll() is not None:
+        return
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
+             period: float = 0.2) -> None:
+    """Poll `predicate()` until true; TimeoutError naming `what` otherwise."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{what} within {timeout:.0f} s")
+        time.sleep(period)
