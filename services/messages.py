@@ -142,6 +142,8 @@ class Timings:
     kv_transfer_bytes: int = 0
     kv_transfer_hidden_s: float = 0.0  # part of kv_transfer_s overlapped with prefill
     decode_queue_s: float = 0.0  # decode request received -> first decode step
+    kv_prompt_bytes: int = 0  # the prompt's whole KV: what shipping every block would move
+    kv_reused_tokens: int = 0  # prompt tokens the decode worker had in its own prefix cache
 
 
 @dataclass(slots=True)

@@ -117,10 +117,12 @@ def in_ray_placement_group() -> bool:
 class Engine:
     """One `AsyncLLM` plus the tokenizer and facts about its model."""
 
-    def __init__(self, config: EngineConfig, kv_transfer_config: Any | None = None) -> None:
+    def __init__(self, config: EngineConfig, kv_transfer_config: Any | None = None,
+                 kv_events_config: Any | None = None) -> None:
         self.config = config
         self.model_path = resolve_model(config.model, config.resolved_dtype())
         self._kv_transfer_config = kv_transfer_config
+        self._kv_events_config = kv_events_config  # vLLM's KVEventsConfig (None: off)
         self._llm: AsyncLLM | None = None
         self._tokenizer: PreTrainedTokenizerBase | None = None
         self._facts: ModelFacts | None = None
@@ -147,6 +149,7 @@ class Engine:
             # Per-request timings (RequestOutput.metrics) exist only with stats on.
             disable_log_stats=False,
             kv_transfer_config=self._kv_transfer_config,
+            kv_events_config=self._kv_events_config,
             tensor_parallel_size=c.tensor_parallel_size,
         )
         if c.tensor_parallel_size > 1 and cpu_only():

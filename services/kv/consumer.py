@@ -1,5 +1,10 @@
 """The connector's worker half on a decode engine: receive transfers, copy whole blocks
-into the paged KV cache, and tell vLLM which requests may run (or must recompute)."""
+into the paged KV cache, and tell vLLM which requests may run (or must recompute).
+
+A transfer may start at a later prompt block than the first (`TransferSpec.first_block`:
+the blocks before it were left out, the engine holding them in its prefix cache). The
+load job says which block the request expects it to start at, from the request's own
+`RecvParams`; a transfer that starts elsewhere is refused, never loaded shifted."""
 
 from __future__ import annotations
 
@@ -52,6 +57,8 @@ class Consumer:
         now = time.monotonic()
         for job in meta.loads:
             self._waiting[job.req_id] = _Waiting(job, now)
+        for tid in meta.dropped_transfers:  # no request will load it: free its staging
+            self.receiver.discard(tid)
         for rid in meta.cancelled_loads:
             waiting = self._waiting.pop(rid, None)
             if waiting is not None:
@@ -91,6 +98,7 @@ class Consumer:
             error = self._copy_in(job, kv)
         finally:
             self.receiver.release(kv)
+        shipped = kv.spec.layer_shape[0]
         return LoadReport(
             job.req_id,
             job.transfer_id,
@@ -101,6 +109,9 @@ class Consumer:
             chunks=kv.chunks,
             checksum_s=kv.checksum_s,
             error=error,
+            reused_tokens=job.reused_tokens,
+            # every block is the same size: the left-out ones as the shipped ones
+            prompt_nbytes=kv.nbytes // shipped * (kv.spec.first_block + shipped),
         )
 
     def _copy_in(self, job: LoadJob, kv: ReceivedKV) -> str:
@@ -108,15 +119,24 @@ class Consumer:
         if kv.spec.lora != job.lora:  # KV of one adapter never serves another's request
             return (f"the KV was computed with LoRA adapter {kv.spec.lora or '(none)'!r}, "
                     f"the request runs under {job.lora or '(none)'!r}")
+        start = kv.spec.first_block
+        if start != job.transfer_first_block:
+            return (f"the transfer starts at prompt block {start}, the request expects "
+                    f"block {job.transfer_first_block}: the prefill and decode sides "
+                    "disagree on the blocks left out")
         shipped = kv.spec.layer_shape[0]
+        # Prompt blocks [remote_first_block, wanted) are loaded; the transfer holds
+        # [start, start + shipped).
         wanted = job.remote_first_block + len(job.local_block_ids)
-        if len(kv.layers) != len(self._caches) or shipped < wanted:
+        if len(kv.layers) != len(self._caches) or job.remote_first_block < start or (
+                start + shipped < wanted):
             return (
-                f"transfer holds {len(kv.layers)} layers x {shipped} blocks; "
-                f"need {len(self._caches)} x {wanted}"
+                f"transfer holds {len(kv.layers)} layers x prompt blocks {start}.."
+                f"{start + shipped - 1}; need {len(self._caches)} x blocks "
+                f"{job.remote_first_block}..{wanted - 1}"
             )
         ids = torch.tensor(job.local_block_ids, dtype=torch.long)
-        first, last = job.remote_first_block, wanted
+        first, last = job.remote_first_block - start, wanted - start
         for cache, layer in zip(self._caches, kv.layers, strict=True):
             if layer.shape[1:] != cache.shape[1:] or layer.dtype != cache.dtype:
                 return f"layer shape {tuple(layer.shape)} does not fit the cache"

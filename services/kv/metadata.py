@@ -29,6 +29,7 @@ class SaveJob:
     fault: str = ""
     same_host: bool = False  # the receiver shares this host: shared memory may be used
     lora: str = ""  # the LoRA adapter the prompt ran under ("" = the base model)
+    first_block: int = 0  # the prompt block block_ids[0] holds (the ones before it stay)
 
 
 @dataclass(slots=True)
@@ -38,9 +39,13 @@ class LoadJob:
     req_id: str
     transfer_id: str
     local_block_ids: list[int]
-    remote_first_block: int  # the first shipped block that lands in local_block_ids[0]
+    remote_first_block: int  # the prompt block that lands in local_block_ids[0]
     fault: str = ""
     lora: str = ""  # the LoRA adapter the request runs under: the KV's must be the same
+    # The prompt block the transfer starts at, as the request's RecvParams say; a
+    # transfer that starts elsewhere is refused.
+    transfer_first_block: int = 0
+    reused_tokens: int = 0  # prompt tokens the engine's own prefix cache held
 
 
 @dataclass(slots=True)
@@ -48,6 +53,9 @@ class PdserveConnectorMetadata(KVConnectorMetadata):
     saves: list[SaveJob] = field(default_factory=list)
     loads: list[LoadJob] = field(default_factory=list)
     cancelled_loads: list[str] = field(default_factory=list)  # req ids aborted while waiting
+    # transfer ids no request will load (the engine holds their prompt already, or not
+    # the prefix the transfer leaves out): the receiver drops them now
+    dropped_transfers: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -75,17 +75,24 @@ class SendParams(_Entry):
     # records share `host`): the producer then ships through shared memory where shm is
     # on, else over `kv_transport`, and counts why.
     same_host: bool = False
+    # Ship the prompt's blocks from this one on: the decode worker holds the ones before
+    # it in its prefix cache (`reuse.first_block`).
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
 class RecvParams(_Entry):
-    """A decode request's entry: its prompt's first `num_tokens` come by this transfer."""
+    """A decode request's entry: its prompt's first `num_tokens` are in the engine's prefix
+    cache up to block `first_block` and in this transfer from there on."""
 
     ROLE: ClassVar[str] = "recv"
 
     transfer_id: str
     num_tokens: int
     fault: str = ""  # fault injection (FAULTS)
+    # The transfer holds the prompt's blocks from this one on; this engine must hold the
+    # ones before it in its prefix cache (else it computes the prompt itself).
+    first_block: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +110,11 @@ class LoadReport(Contract):
     chunks: int = 0  # payload pieces received (gRPC data frames; whole layers otherwise)
     checksum_s: float = 0.0  # the receiver's time verifying those pieces' checksums
     error: str = ""  # why it failed
+    reused_tokens: int = 0  # prompt tokens this engine's own prefix cache held at claim time
+    prompt_nbytes: int = 0  # the prompt's whole KV, every block (nbytes: what was shipped)
+    # Why the prompt was computed here although KV was shipped for it ("" otherwise; then
+    # `ok` says whether the blocks were loaded). See `reuse.REUSED_PREFIX_GONE`.
+    recomputed: str = ""
 
     def to_output(self) -> dict[str, Any]:
         """The final output's `kv_transfer_params`."""

@@ -172,6 +172,7 @@ class Producer:
             receiver_epoch=job.decode_epoch,
             receiver_fingerprint=job.decode_fingerprint,
             lora=job.lora,
+            first_block=job.first_block,
         )
         sending = _Sending(job, time.monotonic(), self._route(job))
         self._sending[job.transfer_id] = sending

@@ -5,10 +5,18 @@ completes a prompt it emits a SaveJob with the prompt's blocks, so the worker ha
 each layer as it is computed; when the request finishes it keeps the blocks
 (delay_free) until the worker half reports the transfer acknowledged or its lease over.
 
-Consumer (decode engine): claims the prompt's tokens as an asynchronous remote load, so
-vLLM parks the request in WAITING_FOR_REMOTE_KVS; once blocks are allocated it emits a
-LoadJob naming the local blocks to fill; the worker half reports the request finished
-receiving (or failed: vLLM then recomputes or fails it, by kv_load_failure_policy).
+Consumer (decode engine): claims the prompt's tokens beyond its own prefix-cache hit as
+an asynchronous remote load, so vLLM parks the request in WAITING_FOR_REMOTE_KVS; once
+blocks are allocated it emits a LoadJob naming the local blocks to fill; the worker half
+reports the request finished receiving (or failed: vLLM then recomputes or fails it, by
+kv_load_failure_policy).
+
+A transfer may leave out the prompt's first blocks, which the decode engine was believed
+to hold (`RecvParams.first_block`; see `reuse`). If its hit falls short of them, the
+request claims nothing and vLLM computes the prompt here whatever the failure policy: the
+transfer did nothing wrong, and recomputing is always right. Such a request, and one
+whose engine already holds its whole prompt, drops its transfer at once and carries a
+LoadReport that says so.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from services.kv.metadata import LoadJob, LoadReports, PdserveConnectorMetadata, SaveJob
 from services.kv.params import LoadReport, RecvParams, SendParams
+from services.kv.reuse import ceil_div, plan_load, shipped_blocks
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -34,10 +43,6 @@ def lora_name(request: Any) -> str:
     return str(lora.lora_name) if lora is not None else ""
 
 
-def ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
 class SchedulerSide:
     def __init__(self, block_size: int, is_producer: bool) -> None:
         self.block_size = block_size
@@ -47,6 +52,7 @@ class SchedulerSide:
         self._saving: set[str] = set()  # a SaveJob was emitted: blocks must be held
         # consumer
         self._offsets: dict[str, int] = {}  # locally computed prefix at claim time
+        self._dropped: list[str] = []  # transfer ids no request will load
         self._new_loads: list[LoadJob] = []
         self._loading: set[str] = set()  # LoadJob emitted, not yet finished receiving
         self._cancelled: list[str] = []
@@ -61,14 +67,24 @@ class SchedulerSide:
         params = RecvParams.of(request.kv_transfer_params)
         if params is None:
             return 0, False
-        remote = params.num_tokens
         # Claim exactly what will arrive: never more than the prompt minus the token
         # vLLM must compute itself to sample the next one.
-        remote = min(remote, request.num_prompt_tokens - 1)
-        if remote <= num_computed:
+        remote = min(params.num_tokens, request.num_prompt_tokens - 1)
+        plan = plan_load(num_computed, remote, params.first_block, self.block_size)
+        if plan.drop_transfer:
+            # Decided once: a later look (no room this step) finds the report and claims
+            # nothing either. The report reaches the request's final output.
+            self._dropped.append(params.transfer_id)
+            self._reports[request.request_id] = LoadReport(
+                request.request_id, params.transfer_id, ok=not plan.recomputed,
+                reused_tokens=num_computed, recomputed=plan.recomputed)
+            if plan.recomputed:
+                log.info("%s: the engine holds %d prompt tokens, the transfer %s starts at "
+                         "block %d; computing the prompt here", request.request_id,
+                         num_computed, params.transfer_id, params.first_block)
             return 0, False
         self._offsets[request.request_id] = num_computed
-        return remote - num_computed, True
+        return plan.claim, True
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -85,6 +101,9 @@ class SchedulerSide:
         offset = self._offsets.pop(rid)
         first = offset // self.block_size
         last = ceil_div(offset + num_external_tokens, self.block_size)
+        # The table's first `first` blocks are the engine's own prefix-cache hit: vLLM
+        # holds them for this request (raised reference counts) while it waits, so they
+        # stay until the blocks behind them are filled.
         block_ids = list(blocks.get_block_ids()[0])
         self._new_loads.append(
             LoadJob(
@@ -94,6 +113,8 @@ class SchedulerSide:
                 remote_first_block=first,
                 fault=params.fault,
                 lora=lora_name(request),
+                transfer_first_block=params.first_block,
+                reused_tokens=offset,
             )
         )
         self._loading.add(rid)
@@ -106,6 +127,7 @@ class SchedulerSide:
         else:
             meta.loads, self._new_loads = self._new_loads, []
             meta.cancelled_loads, self._cancelled = self._cancelled, []
+            meta.dropped_transfers, self._dropped = self._dropped, []
         return meta
 
     def _completing_prompts(self, so: SchedulerOutput) -> list[SaveJob]:
@@ -125,8 +147,17 @@ class SchedulerSide:
             params = SendParams.of(request.kv_transfer_params)
             assert params is not None
             n = request.num_prompt_tokens
+            first = params.first_block
+            if not 0 <= first < ceil_div(n, self.block_size):
+                # The worker service checks the hint; should one slip through, ship every
+                # block: the decode side then refuses the transfer (it expects another
+                # first block) and computes the prompt, rather than waiting for KV.
+                log.error("%s: first block %d outside the prompt's %d tokens; shipping "
+                          "every block", rid, first, n)
+                first = 0
             # The last, partial block travels whole: the decode side writes token 1 at
             # offset n % block_size, and attention never reads past the sequence.
+            shipped = shipped_blocks(n, self.block_size, first)
             jobs.append(
                 SaveJob(
                     req_id=rid,
@@ -135,11 +166,12 @@ class SchedulerSide:
                     kv_transport=params.kv_transport,
                     decode_epoch=params.decode_epoch,
                     decode_fingerprint=params.decode_fingerprint,
-                    block_ids=list(table[0][: ceil_div(n, self.block_size)]),
+                    block_ids=list(table[0][shipped.start : shipped.stop]),
                     num_tokens=n,
                     fault=params.fault,
                     same_host=params.same_host,
                     lora=lora_name(request),
+                    first_block=first,
                 )
             )
             self._saving.add(rid)

@@ -31,6 +31,9 @@ COUNTERS = {
 REQUEST_ERRORS = ("vllm:request_success_total", "finished_reason", "error")
 MIGRATIONS = "pdserve_migrations_total"  # on routers; labelled with the worker when known
 MIGRATION_WORKER_LABELS = ("worker", "from_worker")
+INDEX_MODE = "pdserve_router_prefix_index_mode"  # on routers: 1 for the mode in use
+ROUTED = "pdserve_router_routed_prompt_tokens_total"  # on routers, per pool
+CACHED = "pdserve_router_cached_prompt_tokens_total"
 SCRAPE_TIMEOUT_S = 0.8  # below the 1 s refresh: a slow endpoint never stalls the view
 
 
@@ -62,6 +65,33 @@ def parse_migrations(text: str) -> tuple[float, dict[str, float]]:
                     per_worker[worker] = per_worker.get(worker, 0.0) + s.value
                     break
     return total, per_worker
+
+
+@dataclass(frozen=True)
+class PrefixIndex:
+    """A router's prefix index: which one it routes on, and the share of the prompt
+    tokens it routed to each pool that the chosen worker had cached (since the router
+    started; a pool absent: nothing routed there with its cache known)."""
+
+    mode: str  # precise, approximate or mixed ("" = the router does not say)
+    hit_rate: dict[str, float] = field(default_factory=dict)  # pool -> 0..1
+
+
+def parse_prefix_index(text: str) -> PrefixIndex:
+    """The prefix index figures of one router page."""
+    mode = ""
+    routed: dict[str, float] = {}
+    cached: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == INDEX_MODE and s.value == 1:
+                mode = s.labels.get("mode", "")
+            elif s.name in (ROUTED, CACHED):
+                into = routed if s.name == ROUTED else cached
+                pool = s.labels.get("pool", "")
+                into[pool] = into.get(pool, 0.0) + s.value
+    rates = {pool: cached.get(pool, 0.0) / n for pool, n in sorted(routed.items()) if n > 0}
+    return PrefixIndex(mode, rates)
 
 
 def fetch(address: str, timeout_s: float = SCRAPE_TIMEOUT_S) -> str | None:
@@ -117,6 +147,7 @@ class Row:
     errors: int | None = None  # failed KV transfers + requests vLLM ended with an error
     migrations: int | None = None  # streams moved off this worker (from router metrics)
     tp: int = 1  # tensor-parallel size, as registered
+    kv_events: bool = False  # publishes its KV cache events (the precise prefix index)
 
 
 @dataclass
@@ -124,12 +155,16 @@ class Snapshot:
     rows: list[Row]
     routers: dict[str, float | None] = field(default_factory=dict)  # address -> migrations
     taken_at: float = field(default_factory=time.time)
+    # address -> the router's prefix index (None: its metrics not reachable)
+    prefix_index: dict[str, PrefixIndex | None] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, object]:
         return {
             "taken_at": self.taken_at,
             "workers": [asdict(r) for r in self.rows],
             "router_migrations": self.routers,
+            "router_prefix_index": {a: None if i is None else asdict(i)
+                                    for a, i in self.prefix_index.items()},
         }
 
 
@@ -169,6 +204,7 @@ def make_row(
         max(0.0, wall - r.updated),
         c is not None,
         tp=r.tp,
+        kv_events=bool(r.kv_events_address),
     )
     row.prompt_tokens_per_s = _rate(now, before, "prompt_tokens")
     row.generation_tokens_per_s = _rate(now, before, "generation_tokens")
@@ -193,6 +229,7 @@ class Fleet:
         self.overrides = dict(metrics_overrides or {})
         self.routers = list(routers)
         self._last: dict[str, Scrape] = {}
+        self._prefix_index: dict[str, PrefixIndex | None] = {}
 
     async def _scrape(self, record: WorkerRecord) -> Scrape:
         address = metrics_address(record, self.overrides)
@@ -205,10 +242,13 @@ class Fleet:
         pages = await asyncio.gather(*(asyncio.to_thread(fetch, a) for a in self.routers))
         totals: dict[str, float | None] = {}
         per_worker: dict[str, float] = {}
+        self._prefix_index = {}
         for address, text in zip(self.routers, pages, strict=True):
             if text is None:
                 totals[address] = None
+                self._prefix_index[address] = None
                 continue
+            self._prefix_index[address] = parse_prefix_index(text)
             totals[address], mine = parse_migrations(text)
             for worker, n in mine.items():
                 per_worker[worker] = per_worker.get(worker, 0.0) + n
@@ -224,4 +264,4 @@ class Fleet:
         rows = [make_row(s, self._last.get(s.record.worker_id), known, wall) for s in scrapes]
         self._last = {s.record.worker_id: s for s in scrapes}
         rows.sort(key=lambda row: (row.role != "prefill", row.worker_id))
-        return Snapshot(rows, totals, wall)
+        return Snapshot(rows, totals, wall, dict(self._prefix_index))

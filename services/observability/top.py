@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from services.observability.fleet import Fleet, Row, Snapshot
+from services.observability.fleet import Fleet, PrefixIndex, Row, Snapshot
 from services.registry.local_stack import LocalStack, read_state
 from services.registry.registry import Registry
 from services.registry.signing import SECRET_ENV, SECRET_FILE_ENV, RecordSigner, load_secret
@@ -32,7 +32,10 @@ DESCRIPTION = (
     "requests, KV cache use (from "
     "its record in Redis), prompt and generated tokens/s, KV GB/s received, "
     "errors (failed KV transfers, requests vLLM ended with an error) and "
-    "migrations (from --router-metrics), from its Prometheus endpoint. Works "
+    "migrations (from --router-metrics), from its Prometheus endpoint; whether it "
+    "publishes its KV cache events; per router, the prefix index it routes on "
+    "(precise: the engines' KV events; approximate: where prompts were sent) and the "
+    "cache hit rate per pool. Works "
     "against `pdserve up` and, through port-forwards, a Helm release "
     "(docs/observability.md)."
 )
@@ -46,6 +49,7 @@ COLUMNS = (
     "queue",
     "running",
     "KV use",
+    "KV events",
     "in tok/s",
     "out tok/s",
     "KV GB/s",
@@ -92,6 +96,7 @@ def cells(row: Row) -> list[str]:
         str(row.queue),
         f"{row.running}/{row.capacity}",
         f"{row.kv_usage * 100:.1f}%",
+        "on" if row.kv_events else "off",
         _num(row.prompt_tokens_per_s),
         _num(row.generation_tokens_per_s),
         _num(row.kv_gbytes_per_s, 3),
@@ -99,6 +104,15 @@ def cells(row: Row) -> list[str]:
         _num(row.migrations),
         f"{row.heartbeat_age_s:.1f}s ago",
     ]
+
+
+def index_note(index: PrefixIndex | None) -> str:
+    """A router's prefix index as read: ", prefix index precise, cache hits prefill
+    42.0% decode 30.5%" ("" when the router's page does not say)."""
+    if index is None or not index.mode:
+        return ""
+    rates = " ".join(f"{pool} {rate * 100:.1f}%" for pool, rate in index.hit_rate.items())
+    return f", prefix index {index.mode}" + (f", cache hits {rates}" if rates else "")
 
 
 def render(snap: Snapshot, source: str, problem: str = "") -> Any:
@@ -123,6 +137,7 @@ def render(snap: Snapshot, source: str, problem: str = "") -> Any:
         notes.append(
             f"router {address}: "
             + ("metrics not reachable" if total is None else f"{total:.0f} migrations")
+            + index_note(snap.prefix_index.get(address))
         )
     if problem:
         notes.append(problem)

@@ -65,6 +65,10 @@ class WorkerRecord:
     tp: int = 1
     kv_heads: int = 0
     block_size: int = 0
+    # Where the engine publishes its KV cache events ("host:port" of a ZeroMQ PUB socket;
+    # "" = events off, or an older writer): routers subscribe and learn which prompt
+    # blocks the engine holds, else they fall back to the approximate prefix index.
+    kv_events_address: str = ""
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated: float = 0.0  # time.time() of the last heartbeat
     pid: int = 0  # the serving process, for operators (and failure drills)
@@ -170,7 +174,7 @@ def _check_values(r: WorkerRecord) -> None:
         raise BadRecord("schema", f"unknown role {r.role[:40]!r}")
     if r.kv_transport not in KV_TRANSPORTS:
         raise BadRecord("schema", f"unknown kv_transport {r.kv_transport[:40]!r}")
-    for name in ("address", "kv_address", "metrics_address"):
+    for name in ("address", "kv_address", "metrics_address", "kv_events_address"):
         value = getattr(r, name)
         if value or name == "address":
             _check_address(name, value)

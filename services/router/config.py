@@ -55,6 +55,11 @@ class RouterConfig(BaseSettings):
     prefix_block_size: int = Field(128, ge=1, description="router: block size of prefix "
                                    "hashing (best: the engines' KV block size)",
                                    json_schema_extra=ADVANCED)
+    transfer_token_weight: float = Field(
+        0.1, ge=0, description="router: cost of taking one prompt token's KV into a decode "
+        "worker's cache, in prefilled prompt tokens; tokens the decode worker caches already "
+        "(known from its KV events) cost nothing, so pairs whose decode worker holds the "
+        "prompt's prefix are preferred", json_schema_extra=ADVANCED)
     client_lease_s: float = Field(
         15.0, gt=0, description="router: TTL of a per-client slot in Redis, renewed every "
         "third of it while its request runs; a crashed router's slots come back after it",

@@ -101,12 +101,16 @@ def _failure(role: str, peer: Peer, e: grpc.aio.AioRpcError, streamed: int) -> E
 async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
                    target: wpb.KVTarget, fault: str = "",
                    liveness: Liveness | None = None,
-                   metadata: tuple[tuple[str, str], ...] | None = None
-                   ) -> AsyncIterator[Delta]:
+                   metadata: tuple[tuple[str, str], ...] | None = None,
+                   *, reuse_tokens: int = 0) -> AsyncIterator[Delta]:
     """One request: prefill (token 1, KV shipped to `target`), then decode (tokens 2..n).
     Without a prefill worker the decode worker prefills the prompt itself. The last
     delta is finished and carries both phases' timings. `metadata` goes with both calls
-    (the trace context, so the workers' spans join the caller's trace)."""
+    (the trace context, so the workers' spans join the caller's trace).
+
+    `reuse_tokens`: the prompt's first tokens the decode worker is believed to hold in its
+    prefix cache, a whole number of KV blocks; their blocks are not shipped. A wrong
+    belief costs time, never correctness: the decode worker then computes the prompt."""
     liveness = liveness or Liveness()
     timeout = req.timeout_s
     s = req.sampling
@@ -119,13 +123,15 @@ async def run_pair(req: GenerationRequest, prefill: Peer | None, decode: Peer,
         async for delta in _stream_decode(call, decode, None, 0, 0, liveness):
             yield delta
         return
-    async for delta in _run_split(req, prefill, decode, target, fault, liveness, metadata):
+    async for delta in _run_split(req, prefill, decode, target, fault, liveness, metadata,
+                                  reuse_tokens):
         yield delta
 
 
 async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
                      target: wpb.KVTarget, fault: str, liveness: Liveness,
-                     metadata: tuple[tuple[str, str], ...] | None) -> AsyncIterator[Delta]:
+                     metadata: tuple[tuple[str, str], ...] | None,
+                     reuse_tokens: int) -> AsyncIterator[Delta]:
     timeout = req.timeout_s
     s = req.sampling
     transfer_id = uuid.uuid4().hex
@@ -139,8 +145,8 @@ async def _run_split(req: GenerationRequest, prefill: Peer, decode: Peer,
             request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
             sampling=prefill_sampling,
             transfer_id=transfer_id, fault=fault, target=target,
-            generated_tokens=req.generated_tokens, lora_name=req.lora), timeout=timeout,
-            metadata=metadata)
+            generated_tokens=req.generated_tokens, lora_name=req.lora,
+            reuse_tokens=reuse_tokens), timeout=timeout, metadata=metadata)
         watch = liveness.watch(call1, "prefill", prefill.worker_id, prefill.channel)
         try:
             first = await call1

@@ -23,6 +23,11 @@ class RouteInput:
     prompt_len: int
     # cached prefix tokens per prefill worker, from the prefix index
     prefix_hits: Mapping[str, int] = field(default_factory=dict)
+    # cached prefix tokens per decode worker: known only from the engines' KV events
+    decode_hits: Mapping[str, int] = field(default_factory=dict)
+    # the hits come from the engines themselves (every prefill worker publishes its KV
+    # events), not from the approximate index of where prompts were sent
+    precise: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -73,7 +78,12 @@ class LocalLoad:
 class Choice:
     prefill: WorkerRecord | None  # None: prefill on the decode worker
     decode: WorkerRecord
-    reason: str  # for the pair-choice metric: "round_robin", "load", "prefix", "local_*"
+    # for the pair-choice metric: "round_robin", "load", "prefix" (the prefill worker
+    # holds the prompt's prefix), "decode_prefix" (only the decode worker does), "local_*"
+    reason: str
+    # The prompt's leading tokens the decode worker's engine caches (precise index only;
+    # 0 otherwise or without a prefill worker): their KV is not shipped.
+    reuse_tokens: int = 0
 
 
 class Policy(Protocol):
@@ -152,17 +162,32 @@ class RoundRobin:
 @dataclass
 class LoadAware:
     """Prefill by queued prompt tokens (minus cached prefix), decode by KV usage and
-    running sequences, chosen jointly with the cost of moving the KV between hosts."""
+    running sequences, chosen jointly with the cost of moving the KV between hosts and
+    into the decode worker's cache (minus the prefix it caches already).
+
+    With the approximate prefix index the prefill worker holding the longest prefix
+    wins outright unless saturated (`_prefix_holder`). With the precise one (the
+    engines' own KV events) every pair is scored by one cost: what the hits save is
+    known, so it is weighed against load rather than trusted blindly."""
 
     transfer_cost_tokens: int = 256  # a cross-host transfer costs like this many prompt tokens
     decode_weight_tokens: int = 512  # a fully loaded decode worker costs like this many
     local_prefill_max_tokens: int = 0  # prompts up to this long prefill on the decode worker
     saturated_queue_tokens: int = 8192  # prefill pool saturated above this queue per worker
+    # taking one prompt token's KV into the decode worker's cache, in prefilled tokens
+    transfer_token_weight: float = 0.1
     name: str = "load"
 
     def prefill_cost(self, p: WorkerRecord, req: RouteInput, local: LocalLoad) -> int:
         return prefill_queue(p, local) + max(0, req.prompt_len - req.prefix_hits.get(
             p.worker_id, 0))
+
+    def transfer_cost(self, p: WorkerRecord, d: WorkerRecord, req: RouteInput) -> float:
+        """Moving the prompt's KV from `p` to `d`: the prompt tokens `d` does not cache,
+        weighted, plus the cross-host cost."""
+        uncached = max(0, req.prompt_len - req.decode_hits.get(d.worker_id, 0))
+        return (self.transfer_token_weight * uncached
+                + (0 if p.host == d.host else self.transfer_cost_tokens))
 
     def decode_cost(self, d: WorkerRecord, local: LocalLoad) -> float:
         busy = d.load.running + d.load.waiting + local.requests(d)
@@ -176,23 +201,32 @@ class LoadAware:
         best_decode = min(open_decodes, key=lambda d: self.decode_cost(d, local))
         if req.prompt_len <= self.local_prefill_max_tokens:
             return Choice(None, best_decode, "local_short_prompt")
-        prefix = self._prefix_holder(prefills, open_decodes, req, local)
-        if prefix is not None:
-            return prefix
-        best: tuple[float, WorkerRecord, WorkerRecord] | None = None
+        if not req.precise:
+            prefix = self._prefix_holder(prefills, open_decodes, req, local)
+            if prefix is not None:
+                return prefix
+        # Among equal costs the pair caching more wins: its saving is certain, while a
+        # load report may still count a prompt that has finished since (a heartbeat late).
+        best: tuple[tuple[float, int], WorkerRecord, WorkerRecord] | None = None
         for d in open_decodes:
             for p in prefills:
                 if not compatible(p, d):
                     continue
                 cost = (self.prefill_cost(p, req, local) + self.decode_cost(d, local)
-                        + (0 if p.host == d.host else self.transfer_cost_tokens))
-                if best is None or cost < best[0]:
-                    best = (cost, p, d)
+                        + self.transfer_cost(p, d, req))
+                key = (cost, -req.prefix_hits.get(p.worker_id, 0)
+                       - req.decode_hits.get(d.worker_id, 0))
+                if best is None or key < best[0]:
+                    best = (key, p, d)
         if best is None:
             return Choice(None, best_decode, "local_no_prefill")
         _, p, d = best
         if self.local_prefill_max_tokens and prefill_queue(p, local) > self.saturated_queue_tokens:
             return Choice(None, best_decode, "local_prefill_saturated")
+        if req.precise and req.prefix_hits.get(p.worker_id, 0):
+            return Choice(p, d, "prefix")
+        if req.precise and req.decode_hits.get(d.worker_id, 0):
+            return Choice(p, d, "decode_prefix")
         return Choice(p, d, "load")
 
     def _prefix_holder(self, prefills: Sequence[WorkerRecord], decodes: list[WorkerRecord],
@@ -208,8 +242,7 @@ class LoadAware:
         fits = [d for d in decodes if compatible(p, d)]
         if not fits:
             return None
-        d = min(fits, key=lambda d: self.decode_cost(d, local)
-                + (0 if p.host == d.host else self.transfer_cost_tokens))
+        d = min(fits, key=lambda d: self.decode_cost(d, local) + self.transfer_cost(p, d, req))
         return Choice(p, d, "prefix")
 
 
@@ -289,9 +322,11 @@ def choose_with_adapter(policy: Policy, prefills: Sequence[WorkerRecord],
     return AdapterPlan(choice, load)
 
 
-def make_policy(name: str, local_prefill_max_tokens: int = 0) -> Policy:
+def make_policy(name: str, local_prefill_max_tokens: int = 0,
+                transfer_token_weight: float = 0.1) -> Policy:
     if name == "round_robin":
         return RoundRobin()
     if name == "load":
-        return LoadAware(local_prefill_max_tokens=local_prefill_max_tokens)
+        return LoadAware(local_prefill_max_tokens=local_prefill_max_tokens,
+                         transfer_token_weight=transfer_token_weight)
     raise ValueError(f"unknown routing policy {name!r}; use round_robin or load")

@@ -32,22 +32,39 @@ MAX_PENDING_WRITES = 64  # writes in flight at once; more are dropped (a slow Re
 LOG_EVERY_S = 30.0  # a failing index is reported this often, not once per request
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64,
-                 salt: str = "") -> list[str]:
-    """`salt` (a LoRA adapter's name) keys the chain: KV computed under an adapter is
-    cached apart from the base model's, as in vLLM's prefix cache."""
-    out: list[str] = []
-    parent = hashlib.blake2b(b"lora:" + salt.encode(), digest_size=12).digest() if salt else b""
+def chain_root(salt: str = "") -> bytes:
+    """The parent of a prompt's first block: empty for the base model, else keyed by the
+    LoRA adapter's name (KV computed under an adapter is cached apart from the base
+    model's, as in vLLM's prefix cache)."""
+    return hashlib.blake2b(b"lora:" + salt.encode(), digest_size=12).digest() if salt else b""
+
+
+def chain_hash(parent: bytes, block_tokens: Sequence[int] | np.ndarray) -> bytes:
+    """Block hash of `block_tokens` after the block whose hash is `parent`."""
+    ids = np.asarray(block_tokens, dtype=np.int64)
+    return hashlib.blake2b(parent + ids.tobytes(), digest_size=12).digest()
+
+
+def block_digests(token_ids: Sequence[int], block_size: int, max_blocks: int = 64,
+                  salt: str = "") -> list[bytes]:
+    """The chained hashes of the prompt's first full blocks (at most `max_blocks`)."""
+    out: list[bytes] = []
     full = min(len(token_ids) // block_size, max_blocks)
     if not full:  # a prompt shorter than a block: nothing to hash (and no numpy call)
         return out
+    parent = chain_root(salt)
     ids = np.asarray(token_ids[: full * block_size], dtype=np.int64)
     for i in range(full):
-        h = hashlib.blake2b(parent + ids[i * block_size:(i + 1) * block_size].tobytes(),
-                            digest_size=12)
-        parent = h.digest()
-        out.append(h.hexdigest())
+        parent = chain_hash(parent, ids[i * block_size:(i + 1) * block_size])
+        out.append(parent)
     return out
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int = 64,
+                 salt: str = "") -> list[str]:
+    """`block_digests` as hex, the keys of the registry's approximate index; `salt` (a
+    LoRA adapter's name) keys the chain."""
+    return [h.hex() for h in block_digests(token_ids, block_size, max_blocks, salt)]
 
 
 class PrefixHints:

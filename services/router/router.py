@@ -18,10 +18,11 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import grpc
-from prometheus_client import Counter
+from prometheus_client import Counter, Gauge
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
@@ -43,6 +44,7 @@ from services.registry.records import WorkerRecord
 from services.router.config import RouterConfig
 from services.router.events import RequestEvents, request_events
 from services.router.facts import model_facts
+from services.router.kv_index import KVEventFeeds, KVIndex
 from services.router.orchestrator import Peer, run_pair
 from services.router.policies import (
     AdapterOverlay,
@@ -73,6 +75,21 @@ LORA_CALL_TIMEOUT_S = 120.0  # loading an adapter reads its folder and copies it
 LORA_LOADS = Counter("pdserve_router_lora_loads", "LoRA adapter loads this router made on "
                      "workers, by why: a request's pair lacked it (request) or a load call "
                      "(admin)", ["reason"])
+# The prefix index in use: precise (every worker's engine publishes its KV events),
+# approximate (none does: where prompts were sent, from Redis) or mixed.
+INDEX_MODES = ("precise", "approximate", "mixed")
+PREFIX_INDEX_MODE = Gauge("pdserve_router_prefix_index_mode", "the prefix index this router "
+                          "routes on: 1 for the mode in use (precise: the engines' KV events; "
+                          "approximate: where prompts were sent; mixed: some of each)",
+                          ["mode"])
+# Hit rate per pool = cached / routed: the prompt tokens the chosen worker of the pool
+# holds already, as the index knows it, over the prompt tokens routed to that pool.
+ROUTED_PROMPT_TOKENS = Counter("pdserve_router_routed_prompt_tokens", "prompt tokens of "
+                               "requests routed, by the pool of the worker that takes them "
+                               "(decode: only where its cache is known)", ["pool"])
+CACHED_PROMPT_TOKENS = Counter("pdserve_router_cached_prompt_tokens", "of those, the tokens "
+                               "the chosen worker of the pool caches already, by the prefix "
+                               "index", ["pool"])
 LOAD_LORA_METHOD = "/pdserve.v1.DecodeService/LoadLoraAdapter"
 UNLOAD_LORA_METHOD = "/pdserve.v1.DecodeService/UnloadLoraAdapter"
 
@@ -88,7 +105,8 @@ class RouterBackend:
         self.view = view
         self._tokenizer = tokenizer
         self._model_path = model_path
-        self.policy: Policy = make_policy(config.policy, config.local_prefill_max_tokens)
+        self.policy: Policy = make_policy(config.policy, config.local_prefill_max_tokens,
+                                          config.transfer_token_weight)
         self.local = LocalLoad()
         self.adapters = AdapterOverlay()  # LoRA loads and unloads not yet in the view
         self.inflight = 0
@@ -106,6 +124,9 @@ class RouterBackend:
         self._empty_since = float("inf")
         self.liveness = Liveness(config.stream_silence_s, config.probe_timeout_s)
         self.prefix_hints = PrefixHints(view)
+        self.kv_index = KVIndex()  # what each engine caches, from its KV events
+        self.kv_feeds = KVEventFeeds(self.kv_index)
+        self.index_mode = ""
 
     # -- the worker view --------------------------------------------------------------
     async def start(self, wait_for_workers_s: float = 600.0) -> None:
@@ -136,6 +157,8 @@ class RouterBackend:
             self._empty_since = float("inf")
         self._view = view
         self.adapters.prune(view)
+        self.kv_feeds.sync(view)
+        self._set_index_mode()
         if (problems := unpaired(view)) != self._unpaired:  # once per change, not per refresh
             self._unpaired = problems
             for line in problems:
@@ -145,6 +168,17 @@ class RouterBackend:
             self._facts = model_facts(self._tokenizer, self._model_path,
                                       decode.model, decode.max_model_len, decode.vocab_size,
                                       decode.dtype)
+
+    def _set_index_mode(self) -> None:
+        tracked = [self.kv_index.tracking(w.worker_id) for w in self._view]
+        mode = ("precise" if tracked and all(tracked) else "mixed" if any(tracked)
+                else "approximate")
+        if mode != self.index_mode:
+            if self.index_mode:
+                log.info("prefix index: %s (was %s)", mode, self.index_mode)
+            self.index_mode = mode
+            for m in INDEX_MODES:
+                PREFIX_INDEX_MODE.labels(m).set(1 if m == mode else 0)
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -187,6 +221,7 @@ class RouterBackend:
             if task is not None:
                 task.cancel()
         await self.prefix_hints.close()
+        await self.kv_feeds.close()
         for channel in self._channels.values():
             await channel.close()
 
@@ -322,21 +357,43 @@ class RouterBackend:
             decodes, prefills = prefills, []
         if not decodes:
             raise Unavailable("no worker is registered that can serve the request")
-        hits: dict[str, int] = {}
-        if hashes:
+        route = await self._route_input(req, prefills, decodes, hashes)
+        if req.lora:
+            choice = await self._choose_with_adapter(req, prefills, decodes, route, events)
+        else:
+            found = self.policy.choose(prefills, decodes, route, self.local)
+            if found is None:
+                raise self._reject(events, "capacity", "every decode worker is at capacity")
+            if full := prefill_pool_full(found, self.local,
+                                         self.config.prefill_max_queued_tokens):
+                raise self._reject(events, "prefill_queue", full)
+            choice = found
+        _count_hits(choice, route)
+        if choice.prefill is not None and route.decode_hits.get(choice.decode.worker_id):
+            choice = replace(choice, reuse_tokens=route.decode_hits[choice.decode.worker_id])
+        return choice
+
+    async def _route_input(self, req: GenerationRequest, prefills: list[WorkerRecord],
+                           decodes: list[WorkerRecord], hashes: list[str]) -> RouteInput:
+        """The request's facts for the policy: cached prefix tokens per worker, from the
+        engines' KV events where a worker publishes them, else (prefill workers only)
+        from the approximate index in Redis."""
+        precise = self.kv_index.hits([w.worker_id for w in (*prefills, *decodes)],
+                                     req.prompt_token_ids, req.lora)
+        hits = {p.worker_id: precise[p.worker_id] for p in prefills if p.worker_id in precise}
+        untracked = [p for p in prefills if p.worker_id not in precise]
+        if hashes and untracked:
             try:
-                hits = await self.view.prefix_hits(hashes, self.config.prefix_block_size)
+                approximate = await self.view.prefix_hits(hashes, self.config.prefix_block_size)
             except Exception as e:  # the index is an optimization: route without it
                 log.warning("prefix lookup failed: %s", e)
-        route = RouteInput(len(req.prompt_token_ids), hits)
-        if req.lora:
-            return await self._choose_with_adapter(req, prefills, decodes, route, events)
-        choice = self.policy.choose(prefills, decodes, route, self.local)
-        if choice is None:
-            raise self._reject(events, "capacity", "every decode worker is at capacity")
-        if full := prefill_pool_full(choice, self.local, self.config.prefill_max_queued_tokens):
-            raise self._reject(events, "prefill_queue", full)
-        return choice
+            else:
+                hits.update((w.worker_id, approximate[w.worker_id]) for w in untracked
+                            if w.worker_id in approximate)
+        decode_hits = {d.worker_id: precise[d.worker_id] for d in decodes
+                       if d.worker_id in precise}
+        return RouteInput(len(req.prompt_token_ids), hits, decode_hits,
+                          precise=bool(prefills) and not untracked)
 
     async def _choose_with_adapter(self, req: GenerationRequest,
                                    prefills: list[WorkerRecord], decodes: list[WorkerRecord],
@@ -458,12 +515,14 @@ class RouterBackend:
         try:
             async for delta in run_pair(req, self.peer(p) if p else None, self.peer(d),
                                         target, self.fault, self.liveness,
-                                        events.grpc_metadata()):
+                                        events.grpc_metadata(),
+                                        reuse_tokens=choice.reuse_tokens):
                 if first:
                     first = False
                     self.local.prefilled(flights[0])
                     events.first_token()
-                    if p is not None and hashes:
+                    # The approximate index, for workers whose engines do not tell.
+                    if p is not None and hashes and not self.kv_index.tracking(p.worker_id):
                         self.prefix_hints.record(p.worker_id, hashes)
                 if delta.finished:
                     for w in (p, d):
@@ -473,3 +532,18 @@ class RouterBackend:
         finally:
             for flight in flights:
                 self.local.done(flight)
+
+
+def _count_hits(choice: Choice, route: RouteInput) -> None:
+    """The hit-rate counters of each pool the request takes: the prefill pool's (or the
+    decode worker's own, when it prefills), and the decode pool's where its cache is
+    known."""
+    prompt = route.prompt_len
+    if choice.prefill is not None:
+        ROUTED_PROMPT_TOKENS.labels("prefill").inc(prompt)
+        CACHED_PROMPT_TOKENS.labels("prefill").inc(
+            min(prompt, route.prefix_hits.get(choice.prefill.worker_id, 0)))
+    cached = route.decode_hits.get(choice.decode.worker_id)
+    if cached is not None:
+        ROUTED_PROMPT_TOKENS.labels("decode").inc(prompt)
+        CACHED_PROMPT_TOKENS.labels("decode").inc(min(prompt, cached))

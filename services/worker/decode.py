@@ -47,6 +47,18 @@ KV_SECONDS = Histogram("pdserve_kv_transfer_seconds", "first to last KV byte of 
 KV_FAILURES = Counter("pdserve_kv_transfer_failures", "KV transfers that could not be used "
                       "(corrupt, late, missing, stale); recomputed or failed by policy",
                       ["policy"])
+KV_PROMPT_BYTES = Counter(
+    "pdserve_kv_prompt_bytes", "the whole prompt KV of the transfers loaded here, every "
+    "block: what shipping it all would have moved (pdserve_kv_transfer_bytes_total is what "
+    "was shipped; the difference stayed out, this worker's prefix cache holding it)")
+KV_REUSED_TOKENS = Counter(
+    "pdserve_kv_reused_prefix_tokens", "prompt tokens of transferred requests this worker "
+    "took from its own prefix cache rather than from the transfer")
+KV_REUSE_FALLBACKS = Counter(
+    "pdserve_kv_reuse_fallbacks", "transferred requests whose prompt this worker computed "
+    "itself, the transfer unread, by reason (reused_prefix_gone: it no longer held the "
+    "prefix the transfer left out)", ["reason"])
+FALLBACK_LOG_EVERY_S = 60.0  # a fallback is logged at most this often, with the count since
 RELEASED = Counter("pdserve_kv_transfers_released", "transfers released by the router before "
                    "a Decode call took them (the request was cancelled, failed or moved)")
 
@@ -61,6 +73,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         facts = worker.engine.facts
         self.limits = Limits(facts.name, facts.max_model_len, facts.vocab_size)
         self.policy = worker.config.kv_load_failure_policy
+        self._fallbacks_logged = float("-inf")  # time.monotonic() of the last one logged
+        self._fallbacks_unlogged = 0
 
     def _prompt(self, req: wpb.DecodeRequest) -> list[int]:
         checks.check_id("request_id", req.request_id)
@@ -87,6 +101,11 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                 raise InvalidRequest(
                     f"handle.num_tokens: {h.num_tokens} must be in 1..{len(req.prompt_token_ids)}"
                     " (the prompt's tokens)")
+            block_size = self.worker.fingerprint.block_size
+            if h.first_block * block_size >= h.num_tokens:
+                raise InvalidRequest(
+                    f"handle.first_block: {h.first_block} blocks of {block_size} tokens leave "
+                    f"none of the transfer's {h.num_tokens} tokens")
         check_fault(req.fault, self.worker.config.allow_fault_injection)
         return ids
 
@@ -98,8 +117,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         h = req.handle
         epoch = self.worker.identity.epoch
         if h.decode_epoch == epoch:
-            return {"kv_transfer_params": RecvParams(h.transfer_id, h.num_tokens,
-                                                     req.fault).to_params()}
+            return {"kv_transfer_params": RecvParams(h.transfer_id, h.num_tokens, req.fault,
+                                                     first_block=h.first_block).to_params()}
         stale = (f"stale transfer handle {h.transfer_id}: its KV was sent to epoch "
                  f"{h.decode_epoch} of this worker, which restarted (epoch {epoch})")
         KV_FAILURES.labels(self.policy).inc()
@@ -250,10 +269,19 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
             timings = Timings(decode_queue_s=t.queue_s, decode_s=t.prefill_s + t.decode_s)
         if report is None:
             return timings
-        if not report.ok:
+        if not report.ok and not report.recomputed:  # recomputed or failed, by policy
             KV_FAILURES.labels(self.policy).inc()
             return timings
+        timings.kv_reused_tokens = report.reused_tokens
+        KV_REUSED_TOKENS.inc(report.reused_tokens)
+        if report.recomputed:  # the transfer was dropped unread; the prompt ran here
+            self._fell_back(report)
+            return timings
+        if not report.nbytes:  # the engine held the whole prompt: the transfer went unread
+            return timings
         h = req.handle
+        timings.kv_prompt_bytes = report.prompt_nbytes
+        KV_PROMPT_BYTES.inc(report.prompt_nbytes)
         first, last = report.first_byte_wall, report.last_byte_wall
         timings.kv_transfer_s = max(0.0, last - first)
         timings.kv_transfer_bytes = report.nbytes
@@ -262,6 +290,21 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         KV_BYTES.inc(report.nbytes)
         KV_SECONDS.observe(timings.kv_transfer_s)
         return timings
+
+    def _fell_back(self, report: LoadReport) -> None:
+        """Count a request that computed its prompt here although KV was shipped for it,
+        and log it now and then: each one costs a prefill on the decode pool, and many
+        mean the router believes in cached prefixes this worker evicts."""
+        KV_REUSE_FALLBACKS.labels(report.recomputed).inc()
+        self._fallbacks_unlogged += 1
+        now = time.monotonic()
+        if now - self._fallbacks_logged >= FALLBACK_LOG_EVERY_S:
+            log.warning(
+                "%d request(s) computed their prompt here instead of loading the KV shipped "
+                "for them (latest: %s, %s; it held %d prompt tokens); counted in "
+                "pdserve_kv_reuse_fallbacks_total", self._fallbacks_unlogged,
+                report.transfer_id, report.recomputed, report.reused_tokens)
+            self._fallbacks_logged, self._fallbacks_unlogged = now, 0
 
     async def Release(self, req: wpb.ReleaseRequest, context: grpc.aio.ServicerContext
                       ) -> wpb.ReleaseResponse:

@@ -1,6 +1,8 @@
 """The prefill worker's gRPC service: run the prompt, sample the first token, ship the
 prompt's KV to the decode worker named in the request (the connector does the
-shipping, layer by layer, during the forward pass)."""
+shipping, layer by layer, during the forward pass). The blocks of the prompt's first
+`reuse_tokens`, which the decode worker holds already, stay here (`services.kv.reuse`);
+the transfer handle names the first block shipped."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from services import wire
 from services.engine.outputs import delta_of_output, vllm_params
 from services.errors import Aborted, InvalidRequest
 from services.kv.params import SendParams, check_fault
+from services.kv.reuse import first_block
 from services.limits import Limits
 from services.messages import Sampling
 from services.observability import tracing
@@ -48,6 +51,16 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         fp = self.worker.fingerprint
         checks.check_target(req.target, fp.digest(), str(fp.to_dict()))
         check_fault(req.fault, self.worker.config.allow_fault_injection)
+        self._first_block(req)
+
+    def _first_block(self, req: wpb.PrefillRequest) -> int:
+        """The prompt block the transfer starts at (InvalidRequest for a bad hint)."""
+        try:
+            return first_block(req.reuse_tokens, len(req.prompt_token_ids),
+                               self.worker.fingerprint.block_size)
+        except ValueError as e:
+            raise InvalidRequest(f"{e}; send the decode worker's cached prefix in whole "
+                                 "blocks, or 0 to ship every block") from None
 
     async def Prefill(self, req: wpb.PrefillRequest, context: grpc.aio.ServicerContext
                       ) -> wpb.PrefillResponse:
@@ -68,9 +81,10 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
     async def _prefill(self, req: wpb.PrefillRequest, sampling: Sampling,
                        span: PrefillSpan = NULL_PREFILL) -> wpb.PrefillResponse:
         t = req.target
+        first = self._first_block(req)
         kv_params = SendParams(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
-                               t.fingerprint_digest, req.fault, same_host=t.same_host
-                               ).to_params()
+                               t.fingerprint_digest, req.fault, same_host=t.same_host,
+                               first_block=first).to_params()
         params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params},
                              resume_tokens=req.generated_tokens)
         prompt = list(req.prompt_token_ids)
@@ -97,7 +111,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                 transfer_id=req.transfer_id, prefill_worker_id=self.worker.identity.worker_id,
                 prefill_epoch=self.worker.identity.epoch, num_tokens=len(prompt),
                 decode_epoch=t.epoch, prefill_start_wall=start_wall,
-                prefill_done_wall=done_wall, lora_name=req.lora_name,
+                prefill_done_wall=done_wall, lora_name=req.lora_name, first_block=first,
             ),
             logprobs=wire.logprobs_pb(delta.logprobs),
         )

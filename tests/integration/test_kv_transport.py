@@ -379,6 +379,25 @@ def test_incompatible_peer_is_refused(
     assert_still_serves(rx, kind)
 
 
+def test_a_payload_that_starts_at_a_later_block_says_so(rx: Any, tx: Any, kind: str) -> None:
+    # The prompt's first blocks were left out (the decode worker holds them): the header
+    # names the block the payload starts at, and it arrives as the payload's block 0.
+    layers = [t[1:].contiguous() for t in kv_layers(7)]  # one block of two
+    shape = (1, *SHAPE[1:])
+    send_all(tx, rx.address, f"from-block-{kind}", layers, layer_shape=shape, first_block=5)
+    outcome = wait_outcome(tx, f"from-block-{kind}")
+    assert outcome.ok and outcome.nbytes == LAYERS * LAYER_BYTES // 2
+    got = rx.take(f"from-block-{kind}")
+    assert got is not None and got.spec.first_block == 5 and got.spec.layer_shape == shape
+    assert same_bits(got.layers, layers)
+    assert_still_serves(rx, kind)
+    # a transfer that names none starts at block 0
+    send_all(tx, rx.address, f"from-block-0-{kind}", kv_layers(8))
+    assert wait_outcome(tx, f"from-block-0-{kind}").ok
+    whole = rx.take(f"from-block-0-{kind}")
+    assert whole is not None and whole.spec.first_block == 0
+
+
 # -- sender-side misuse, stalls, cancel, lease ----------------------------------------------
 
 

@@ -170,6 +170,16 @@ async def test_pair_run_splits_the_budget_and_merges_the_timings(fakes) -> None:
     assert (t.queue_s, t.prefill_s, t.decode_s, t.decode_queue_s) == (0.25, 0.5, 1.0, 0.125)
 
 
+async def test_the_decode_workers_cached_prefix_goes_to_the_prefill_worker(fakes) -> None:  # type: ignore[no-untyped-def]
+    # Its blocks are not shipped; without a hint every block is (0).
+    (prefill, p_addr), (_, d_addr) = fakes["p"], fakes["d1"]
+    async with dial(p_addr, None) as pc, dial(d_addr, None) as dc:
+        for reuse in (256, 0):
+            await collect(run_pair(request(6), Peer("p", pc), Peer("d1", dc),
+                                   wpb.KVTarget(worker_id="d1", epoch=1), reuse_tokens=reuse))
+    assert [r.reuse_tokens for r in prefill.requests] == [256, 0]
+
+
 async def test_a_one_token_answer_never_reaches_decode(fakes) -> None:  # type: ignore[no-untyped-def]
     (prefill, p_addr), (decode, d_addr) = fakes["p"], fakes["d1"]
     async with dial(p_addr, None) as pc, dial(d_addr, None) as dc:

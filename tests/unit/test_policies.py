@@ -144,3 +144,58 @@ def test_in_flight_counts_cover_only_what_the_last_report_cannot_show() -> None:
         local.done(flight)
     assert local.flights == {}
     assert local.prompt_tokens(unreported) == 0 and local.requests(d) == 0
+
+
+def test_precise_hits_are_weighed_against_load_as_one_cost() -> None:
+    """With the engines' own KV events a cached prefix is a saving in the one cost, not
+    an outright win: a holder whose queue outweighs the saving loses to an idle worker."""
+    policy = LoadAware()
+    prefills = [worker("p1", "prefill", queued_prompt_tokens=200), worker("p2", "prefill")]
+    decodes = [worker("d1", "decode")]
+    holds = RouteInput(1000, prefix_hits={"p1": 896}, precise=True)
+    choice = policy.choose(prefills, decodes, holds, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p1", "prefix")  # 304 < 1000
+    busy = [worker("p1", "prefill", queued_prompt_tokens=2000), worker("p2", "prefill")]
+    choice = policy.choose(busy, decodes, holds, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p2", "load")  # 2104 > 1000
+    # The approximate index still lets the holder win until its queue is saturated.
+    approximate = RouteInput(1000, prefix_hits={"p1": 896})
+    choice = policy.choose(busy, decodes, approximate, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p1", "prefix")
+
+
+def test_the_decode_worker_holding_the_prompt_saves_the_transfer() -> None:
+    policy = LoadAware(transfer_token_weight=0.5)
+    prefills = [worker("p1", "prefill")]
+    decodes = [worker("d1", "decode"), worker("d2", "decode", running=1)]
+    # d2 is a little busier (decode cost 64), but holds 768 of the 1000 prompt tokens:
+    # 0.5 * 232 + 64 < 0.5 * 1000.
+    route = RouteInput(1000, decode_hits={"d2": 768}, precise=True)
+    choice = policy.choose(prefills, decodes, route, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.decode.worker_id, choice.reason) == ("d2", "decode_prefix")
+    # Without the weight, transfers cost nothing and the idler decode worker wins.
+    choice = LoadAware(transfer_token_weight=0).choose(prefills, decodes, route, LocalLoad())
+    assert choice is not None and (choice.decode.worker_id, choice.reason) == ("d1", "load")
+
+
+def test_one_cost_adds_prefill_queue_uncached_prompt_and_weighted_transfer() -> None:
+    policy = LoadAware(transfer_token_weight=0.25, transfer_cost_tokens=256)
+    p = worker("p1", "prefill", queued_prompt_tokens=100)
+    d = worker("d1", "decode", host="h2")
+    route = RouteInput(1000, prefix_hits={"p1": 600}, decode_hits={"d1": 200}, precise=True)
+    assert policy.prefill_cost(p, route, LocalLoad()) == 100 + 400
+    assert policy.transfer_cost(p, d, route) == 0.25 * 800 + 256
+
+
+def test_on_equal_cost_the_pair_caching_more_wins() -> None:
+    """A report written while the holder prefilled turn 1 still counts that prompt as
+    queued: the holder's saving and its stale queue cancel out, and the tie goes to it."""
+    prefills = [worker("p1", "prefill"), worker("p2", "prefill", queued_prompt_tokens=768)]
+    route = RouteInput(1000, prefix_hits={"p2": 768}, precise=True)
+    choice = LoadAware().choose(prefills, [worker("d1", "decode")], route, LocalLoad())
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p2", "prefix")

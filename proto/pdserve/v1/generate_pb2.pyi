@@ -194,7 +194,7 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., cached_tokens: _Optional[int] = ...) -> None: ...
 
 class Timings(_message.Message):
-    __slots__ = ("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s", "router_queue_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transfer_hidden_s", "decode_queue_s")
+    __slots__ = ("queue_s", "prefill_s", "ttft_s", "decode_s", "e2e_s", "router_queue_s", "kv_transfer_s", "kv_transfer_bytes", "kv_transfer_hidden_s", "decode_queue_s", "kv_prompt_bytes", "kv_reused_tokens")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     TTFT_S_FIELD_NUMBER: _ClassVar[int]
@@ -205,6 +205,8 @@ class Timings(_message.Message):
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_HIDDEN_S_FIELD_NUMBER: _ClassVar[int]
     DECODE_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    KV_PROMPT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    KV_REUSED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     prefill_s: float
     ttft_s: float
@@ -215,7 +217,9 @@ class Timings(_message.Message):
     kv_transfer_bytes: int
     kv_transfer_hidden_s: float
     decode_queue_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., router_queue_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_hidden_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ...) -> None: ...
+    kv_prompt_bytes: int
+    kv_reused_tokens: int
+    def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., router_queue_s: _Optional[float] = ..., kv_transfer_s: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., kv_transfer_hidden_s: _Optional[float] = ..., decode_queue_s: _Optional[float] = ..., kv_prompt_bytes: _Optional[int] = ..., kv_reused_tokens: _Optional[int] = ...) -> None: ...
 
 class Final(_message.Message):
     __slots__ = ("finish_reason", "stop_reason", "usage", "timings", "request_id", "migrations")

@@ -72,7 +72,7 @@ class KVTarget(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
-    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall", "lora_name")
+    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall", "lora_name", "first_block")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class TransferHandle(_message.Message):
     PREFILL_DONE_WALL_FIELD_NUMBER: _ClassVar[int]
     PREFILL_START_WALL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prefill_worker_id: str
     prefill_epoch: int
@@ -89,10 +90,11 @@ class TransferHandle(_message.Message):
     prefill_done_wall: float
     prefill_start_wall: float
     lora_name: str
-    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    first_block: int
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ..., lora_name: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault", "generated_tokens", "lora_name")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault", "generated_tokens", "lora_name", "reuse_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +103,7 @@ class PrefillRequest(_message.Message):
     FAULT_FIELD_NUMBER: _ClassVar[int]
     GENERATED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    REUSE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _generate_pb2.SamplingParams
@@ -109,7 +112,8 @@ class PrefillRequest(_message.Message):
     fault: str
     generated_tokens: int
     lora_name: str
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+    reuse_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., target: _Optional[_Union[KVTarget, _Mapping]] = ..., transfer_id: _Optional[str] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ..., reuse_tokens: _Optional[int] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
     __slots__ = ("first_token_id", "first_token_text", "logprobs", "finished", "finish_reason", "stop_reason", "handle", "queue_s", "prefill_s", "cached_tokens")

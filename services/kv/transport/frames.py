@@ -181,6 +181,7 @@ def spec_to_dict(spec: TransferSpec) -> dict[str, Any]:
         "receiver_epoch": spec.receiver_epoch,
         "receiver_fingerprint": spec.receiver_fingerprint,
         "lora": spec.lora,
+        "first_block": spec.first_block,
     }
 
 
@@ -198,6 +199,7 @@ def spec_from_dict(d: dict[str, Any]) -> TransferSpec:
             receiver_epoch=field(d, "receiver_epoch", int),
             receiver_fingerprint=field(d, "receiver_fingerprint", str),
             lora=field(d, "lora", str) if "lora" in d else "",
+            first_block=field(d, "first_block", int) if "first_block" in d else 0,
         )
     except ValueError as e:
         raise FrameError(f"bad transfer spec: {e}") from None

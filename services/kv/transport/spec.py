@@ -21,12 +21,16 @@ class TransferSpec:
     num_layers: int
     layer_shape: tuple[int, ...]  # shape of each layer tensor, e.g. (blocks, heads, bs, 2*hs)
     dtype: torch.dtype
-    num_tokens: int  # tokens whose KV the blocks hold (informational for the receiver)
+    num_tokens: int  # the prompt's length; its KV is in the blocks (informational here)
     receiver_epoch: int  # epoch of the receiver the sender expects; a stale one is refused
     receiver_fingerprint: str  # layout digest the sender expects the receiver to have
     # The LoRA adapter the KV was computed with ("" = the base model): the consumer
     # loads it only into a request that runs under the same adapter.
     lora: str = ""
+    # The prompt block the payload's block 0 is: the blocks before it were left out (the
+    # decode worker holds them in its prefix cache). The consumer refuses a transfer
+    # whose first block is not the one its request expects.
+    first_block: int = 0
 
     def __post_init__(self) -> None:
         if not self.transfer_id or len(self.transfer_id) > 256:
@@ -37,6 +41,8 @@ class TransferSpec:
             raise ValueError(f"layer_shape must have positive dims, got {self.layer_shape}")
         if self.num_tokens < 0:
             raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
+        if self.first_block < 0:
+            raise ValueError(f"first_block must be >= 0, got {self.first_block}")
 
     @property
     def layer_nbytes(self) -> int:
