@@ -204,7 +204,7 @@ def make_row(
         max(0.0, wall - r.updated),
         c is not None,
         tp=r.tp,
-        kv_events=bool(r.kv_events_address),
+        kv_events=r.kv_events,
     )
     row.prompt_tokens_per_s = _rate(now, before, "prompt_tokens")
     row.generation_tokens_per_s = _rate(now, before, "generation_tokens")

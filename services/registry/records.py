@@ -65,10 +65,10 @@ class WorkerRecord:
     tp: int = 1
     kv_heads: int = 0
     block_size: int = 0
-    # Where the engine publishes its KV cache events ("host:port" of a ZeroMQ PUB socket;
-    # "" = events off, or an older writer): routers subscribe and learn which prompt
-    # blocks the engine holds, else they fall back to the approximate prefix index.
-    kv_events_address: str = ""
+    # The worker serves its engine's KV cache events (WatchKVEvents, on `address`):
+    # routers watch them and learn which prompt blocks the engine holds. False (events
+    # off, or an older writer): routers use the approximate prefix index for it.
+    kv_events: bool = False
     load: WorkerLoad = field(default_factory=WorkerLoad)
     updated: float = 0.0  # time.time() of the last heartbeat
     pid: int = 0  # the serving process, for operators (and failure drills)
@@ -127,8 +127,10 @@ def _object(value: Any) -> dict[str, Any]:
     return value
 
 
-# The JSON types each annotation accepts (bool is an int in Python, never in a record).
-_ACCEPTS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float)}
+# The JSON types each annotation accepts (bool is an int in Python, never in a record:
+# a bool only where the field is one).
+_ACCEPTS: dict[str, tuple[type, ...]] = {"str": (str,), "int": (int,), "float": (int, float),
+                                         "bool": (bool,)}
 
 
 def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
@@ -144,7 +146,7 @@ def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
             continue
         value = d[f.name]
         accepted = _ACCEPTS[str(f.type)]
-        if isinstance(value, bool) or not isinstance(value, accepted):
+        if isinstance(value, bool) != (str(f.type) == "bool") or not isinstance(value, accepted):
             raise BadRecord("schema", f"field {f.name!r} is {type(value).__name__}, "
                             f"expected {f.type}")
         if isinstance(value, float) and not math.isfinite(value):
@@ -174,7 +176,7 @@ def _check_values(r: WorkerRecord) -> None:
         raise BadRecord("schema", f"unknown role {r.role[:40]!r}")
     if r.kv_transport not in KV_TRANSPORTS:
         raise BadRecord("schema", f"unknown kv_transport {r.kv_transport[:40]!r}")
-    for name in ("address", "kv_address", "metrics_address", "kv_events_address"):
+    for name in ("address", "kv_address", "metrics_address"):
         value = getattr(r, name)
         if value or name == "address":
             _check_address(name, value)

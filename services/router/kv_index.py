@@ -3,14 +3,16 @@ themselves report it through vLLM's KV cache events (block stored, block removed
 blocks cleared), from every prefill and decode worker that publishes them.
 
 It lives in this router's memory; each router replica subscribes to every worker
-itself. vLLM's own block hashes are seeded per process, so they cannot be compared
-across engines or with a prompt the router holds: every stored block is indexed under
-pdserve's chained hash (`prefix.chain_hash`) of its tokens and its parent's hash, at
-the engine's own block size, and a prompt is hashed at each worker's block size to
-look it up. A worker's view is dropped whole when it cannot be trusted any more: all
-blocks cleared, a new epoch (a restart), a gap in the event sequence (events lost), or
-the worker leaving the view. After that the index knows only what the engine stores
-next, so it may miss blocks the engine still holds, never claim blocks it does not.
+itself, with a `WatchKVEvents` stream on the channel it routes requests on. vLLM's own
+block hashes are seeded per process, so they cannot be compared across engines or with
+a prompt the router holds: every stored block is indexed under pdserve's chained hash
+(`prefix.chain_hash`) of its tokens and its parent's hash, at the engine's own block
+size, and a prompt is hashed at each worker's block size to look it up. A worker's view
+is dropped whole when it cannot be trusted any more: all blocks cleared, a new epoch (a
+restart), a gap in the event sequence (events lost), a stream that ended (events missed
+until the next one), or the worker leaving the view. After that the index knows only
+what the engine stores next, so it may miss blocks the engine still holds, never claim
+blocks it does not.
 """
 
 from __future__ import annotations
@@ -18,16 +20,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import random
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import grpc
 import msgspec
 from prometheus_client import Counter as MetricCounter
 
+from pdserve.v1 import worker_pb2 as wpb
 from services.registry.records import WorkerRecord
 from services.router.prefix import block_digests, chain_hash, chain_root
+
+if TYPE_CHECKING:
+    from services.router.orchestrator import Peer
 
 log = logging.getLogger(__name__)
 
@@ -38,14 +46,19 @@ MAX_LOOKUP_BLOCKS = 1024
 # engine). Blocks copied to an offloading tier are another medium, with their own
 # stored and removed events, and are not what the engine computes from directly.
 INDEXED_MEDIA = (None, "GPU")
+# After a worker's events stream ends, the wait before the next one: doubled after each
+# stream in a row that brought nothing (the worker is down or restarting), up to the max.
+RESUBSCRIBE_MIN_S = 0.2
+RESUBSCRIBE_MAX_S = 5.0
 
 EVENTS = MetricCounter("pdserve_router_kv_events", "KV cache events this router applied to "
                        "its prefix index, by kind (stored, removed, cleared)", ["kind"])
 RESETS = MetricCounter("pdserve_router_kv_index_resets", "times a worker's view in the "
                        "precise prefix index was dropped, by why (cleared: the engine cleared "
                        "its cache; gap: events were lost; restart: a new epoch; gone: the "
-                       "worker left the view; undecodable: a message was not an event batch)",
-                       ["reason"])
+                       "worker left the view; undecodable: a message was not an event batch; "
+                       "resubscribed: the events stream ended, events were missed until the "
+                       "next; no_events: the worker said it serves none)", ["reason"])
 UNCHAINED = MetricCounter("pdserve_router_kv_blocks_unchained", "stored blocks left out "
                           "of the prefix index because their parent block is unknown to it "
                           "(stored before this router subscribed, or dropped with a reset)")
@@ -148,6 +161,9 @@ class KVIndex:
         if w is None:
             return
         w.clear()
+        # Nothing held is left to protect: the next batch starts a new sequence (after a
+        # resubscription it does not follow the last one seen).
+        w.seq = -1
         RESETS.labels(reason).inc()
         log.info("prefix index: worker %s's cached blocks dropped (%s)", worker_id, reason)
 
@@ -160,7 +176,6 @@ class KVIndex:
             return
         if w.seq >= 0 and seq != w.seq + 1:
             self.reset(worker_id, "gap")
-        w.seq = seq
         for event in events:
             kind = type(event).__name__
             if kind == "BlockStored":
@@ -174,6 +189,7 @@ class KVIndex:
             elif kind == "AllBlocksCleared":
                 self.reset(worker_id, "cleared")
                 EVENTS.labels("cleared").inc()
+        w.seq = seq
 
     @staticmethod
     def _stored(w: WorkerBlocks, event: Any) -> None:
@@ -230,21 +246,27 @@ class KVIndex:
 
 
 class KVEventFeeds:
-    """One ZeroMQ subscriber per worker whose record names a KV events address, each
-    feeding `index`. `sync` follows the view: a new worker is subscribed to, one that
-    left is dropped, one with a new epoch (restarted) or a new address starts afresh."""
+    """One `WatchKVEvents` stream per worker whose record says it serves its KV events,
+    on the channel `peer_of` gives for the worker (the router's, with its credentials),
+    each feeding `index`. `sync` follows the view: a new worker is subscribed to, one
+    that left is dropped, one with a new epoch (restarted) or a new address starts
+    afresh. A stream that ends is opened again after a short backoff, the worker's view
+    dropped first: events published meanwhile are lost."""
 
-    def __init__(self, index: KVIndex) -> None:
+    def __init__(self, index: KVIndex, peer_of: Callable[[WorkerRecord], Peer]) -> None:
         self.index = index
+        self._peer_of = peer_of
         self._feeds: dict[str, tuple[tuple[int, str], asyncio.Task[None]]] = {}
         self._ending: set[asyncio.Task[None]] = set()  # cancelled, not yet done
-        self._ctx: Any = None  # zmq.asyncio.Context, made with the first feed
+        # Workers whose stream is open (the worker sent its headers: it has subscribed),
+        # with the task that opened it.
+        self._open: dict[str, asyncio.Task[Any]] = {}
 
     def sync(self, view: Sequence[WorkerRecord]) -> None:
-        wanted = {w.worker_id: w for w in view if w.kv_events_address}
+        wanted = {w.worker_id: w for w in view if w.kv_events}
         for worker_id, (key, task) in list(self._feeds.items()):
             w = wanted.get(worker_id)
-            if w is not None and (w.epoch, w.kv_events_address) == key:
+            if w is not None and (w.epoch, w.address) == key:
                 continue
             task.cancel()
             self._ending.add(task)
@@ -256,57 +278,91 @@ class KVEventFeeds:
                 continue
             self.index.track(worker_id, w.block_size)
             task = asyncio.get_running_loop().create_task(
-                self._follow(worker_id, w.kv_events_address))
-            self._feeds[worker_id] = ((w.epoch, w.kv_events_address), task)
+                self._follow(worker_id, self._peer_of(w)))
+            self._feeds[worker_id] = ((w.epoch, w.address), task)
 
     @property
     def workers(self) -> list[str]:
-        return sorted(self._feeds)
+        """The workers whose events are followed (a worker that said it serves none is
+        left out until its record changes)."""
+        return sorted(w for w, (_, task) in self._feeds.items() if not task.done())
 
-    async def _follow(self, worker_id: str, address: str) -> None:
-        import zmq
-        import zmq.asyncio
+    @property
+    def subscribed(self) -> list[str]:
+        """The workers whose stream is open now: every batch their engines publish from
+        here on reaches the index."""
+        return sorted(self._open)
 
-        if self._ctx is None:
-            self._ctx = zmq.asyncio.Context()
-        decoder = msgspec.msgpack.Decoder(KVEventBatch)
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(f"tcp://{address}")
+    async def _follow(self, worker_id: str, peer: Peer) -> None:
+        backoff = RESUBSCRIBE_MIN_S
+        failures = 0  # streams in a row that ended without an event
         try:
             while True:
-                frames = await sock.recv_multipart()
-                if len(frames) != 3:  # (topic, seq, payload), as vLLM's publisher sends
-                    self.index.reset(worker_id, "undecodable")
-                    continue
-                seq = int.from_bytes(frames[1], "big", signed=True)
-                try:
-                    batch = decoder.decode(frames[2])
-                except msgspec.DecodeError as e:
-                    log.warning("KV events of %s: not an event batch (%s); its cached "
-                                "blocks are dropped from the prefix index", worker_id, e)
-                    self.index.reset(worker_id, "undecodable")
-                    continue
-                self.index.apply(worker_id, seq, batch.events)
+                received, why = await self._stream(worker_id, peer)
+                if why is None:
+                    return  # the worker serves no events: the approximate index
+                if received:
+                    # The engine goes on storing and evicting while no stream is open:
+                    # what the index learnt from this one can no longer be trusted.
+                    self.index.reset(worker_id, "resubscribed")
+                    backoff, failures = RESUBSCRIBE_MIN_S, 0
+                failures += 1
+                log.log(logging.INFO if failures == 1 else logging.DEBUG,
+                        "KV events of %s: %s; subscribing again in %.1f s", worker_id,
+                        why, backoff)
+                await asyncio.sleep(backoff * random.uniform(0.8, 1.2))
+                backoff = min(backoff * 2, RESUBSCRIBE_MAX_S)
         except asyncio.CancelledError:
             raise
-        except Exception:  # the feed ends: the worker goes back to the approximate index
+        except Exception:  # a bug: the worker goes back to the approximate index
             log.exception("KV events of %s: the subscriber failed; the worker is routed on "
                           "the approximate prefix index until the next view refresh",
                           worker_id)
             self.index.forget(worker_id, "undecodable")
             if (entry := self._feeds.get(worker_id)) and entry[1] is asyncio.current_task():
                 del self._feeds[worker_id]  # the next `sync` subscribes again
+
+    async def _stream(self, worker_id: str, peer: Peer) -> tuple[int, str | None]:
+        """Apply one stream's batches until it ends: (batches received, why it ended),
+        why None when the worker serves no events."""
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        call = peer.watch_kv_events(wpb.WatchKVEventsRequest())
+        received = 0
+        task = asyncio.current_task()
+        try:
+            await call.initial_metadata()  # sent once the worker has subscribed
+            if task is not None and not call.done():
+                self._open[worker_id] = task
+            async for message in call:
+                received += 1
+                try:
+                    batch = decoder.decode(message.batch)
+                except msgspec.DecodeError as e:
+                    log.warning("KV events of %s: not an event batch (%s); its cached "
+                                "blocks are dropped from the prefix index", worker_id, e)
+                    self.index.reset(worker_id, "undecodable")
+                    continue
+                self.index.apply(worker_id, message.seq, batch.events)
+        except grpc.aio.AioRpcError as e:
+            if e.code() in (grpc.StatusCode.FAILED_PRECONDITION,
+                            grpc.StatusCode.UNIMPLEMENTED):
+                log.warning("KV events of %s: %s; it is routed on the approximate prefix "
+                            "index", worker_id, e.details() or e.code().name)
+                self.index.forget(worker_id, "no_events")
+                return received, None
+            return received, f"the stream ended ({e.code().name}: {e.details()})"
         finally:
-            sock.close(linger=0)
+            if self._open.get(worker_id) is task:  # not a newer feed's (a restart)
+                del self._open[worker_id]
+            call.cancel()
+        return received, "the stream ended (the worker is stopping)"
 
     async def close(self) -> None:
         tasks = [*(task for _, task in self._feeds.values()), *self._ending]
         self._feeds.clear()
+        self._open.clear()
         for task in tasks:
             task.cancel()
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        if self._ctx is not None:
-            self._ctx.destroy(linger=0)

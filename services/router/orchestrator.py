@@ -43,6 +43,9 @@ def check_pair(prefill: wpb.WorkerInfo, decode: wpb.WorkerInfo) -> None:
 DECODE_METHOD = "/pdserve.v1.DecodeService/Decode"
 RELEASE_METHOD = "/pdserve.v1.DecodeService/Release"
 PREFILL_METHOD = "/pdserve.v1.PrefillService/Prefill"
+# On DecodeService, which every worker serves (a prefill worker too), so one call fits
+# both roles.
+WATCH_KV_EVENTS_METHOD = "/pdserve.v1.DecodeService/WatchKVEvents"
 RELEASE_TIMEOUT_S = 5.0
 
 log = logging.getLogger(__name__)
@@ -52,13 +55,16 @@ log = logging.getLogger(__name__)
 class Peer:
     """One worker of the pair, as the caller reaches it: its channel and the calls made
     on it, built once per channel rather than once per request. The decode stream
-    arrives as bytes: chunks are forwarded to the client as they came."""
+    arrives as bytes: chunks are forwarded to the client as they came. `watch_kv_events`
+    is the router's subscription to the worker's KV cache events, on the same channel
+    and credentials."""
 
     worker_id: str
     channel: grpc.aio.Channel
     prefill: grpc.aio.UnaryUnaryMultiCallable = field(init=False, repr=False)
     decode: grpc.aio.UnaryStreamMultiCallable = field(init=False, repr=False)
     release: grpc.aio.UnaryUnaryMultiCallable = field(init=False, repr=False)
+    watch_kv_events: grpc.aio.UnaryStreamMultiCallable = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "prefill", self.channel.unary_unary(
@@ -70,6 +76,10 @@ class Peer:
         object.__setattr__(self, "release", self.channel.unary_unary(
             RELEASE_METHOD, request_serializer=wpb.ReleaseRequest.SerializeToString,
             response_deserializer=wpb.ReleaseResponse.FromString))
+        object.__setattr__(self, "watch_kv_events", self.channel.unary_stream(
+            WATCH_KV_EVENTS_METHOD,
+            request_serializer=wpb.WatchKVEventsRequest.SerializeToString,
+            response_deserializer=wpb.WatchKVEventsResponse.FromString))
 
 
 _RELEASING: set[asyncio.Task[None]] = set()  # held: the loop keeps only weak references

@@ -125,7 +125,7 @@ class RouterBackend:
         self.liveness = Liveness(config.stream_silence_s, config.probe_timeout_s)
         self.prefix_hints = PrefixHints(view)
         self.kv_index = KVIndex()  # what each engine caches, from its KV events
-        self.kv_feeds = KVEventFeeds(self.kv_index)
+        self.kv_feeds = KVEventFeeds(self.kv_index, self.peer)
         self.index_mode = ""
 
     # -- the worker view --------------------------------------------------------------

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.settings import ADVANCED
@@ -73,25 +73,12 @@ class WorkerConfig(BaseSettings):
                                 "more are refused at once (RESOURCE_EXHAUSTED)",
                                 json_schema_extra=ADVANCED)
     kv_events: bool = Field(
-        True, description="publish the engine's KV cache events (blocks stored, removed, "
-        "cleared) for routers' precise prefix index; on only with prefix caching (off: "
-        "routers use the approximate index for this worker)")
-    kv_events_host: str = Field(
-        "127.0.0.1", description="address the KV events socket binds to: one interface, "
-        "never a wildcard (events carry cached token ids); routers must reach it")
-    kv_events_port: int = Field(0, ge=0, le=65535, description="KV events port (0 = free)",
-                                json_schema_extra=ADVANCED)
+        True, description="serve the engine's KV cache events (blocks stored, removed, "
+        "cleared) to routers on the worker's gRPC port, for their precise prefix index; on "
+        "only with prefix caching (off: routers use the approximate index for this worker)")
     allow_fault_injection: bool = Field(
         False, description="accept the `fault` field of internal requests (tests and "
         "failure drills only)",
         json_schema_extra=ADVANCED,
     )
 
-    @field_validator("kv_events_host")
-    @classmethod
-    def _one_interface(cls, host: str) -> str:
-        if host in ("", "*", "0.0.0.0", "::", "[::]"):
-            raise ValueError(f"kv_events_host {host!r} is a wildcard: the events carry "
-                             "cached token ids, so bind them to one interface's address "
-                             "(127.0.0.1 when the routers run on this host)")
-        return host

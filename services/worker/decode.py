@@ -34,7 +34,7 @@ from services.observability.request_spans import (
 )
 from services.observability.spans import error_type
 from services.server.grpc_server import Service
-from services.worker import checks
+from services.worker import checks, kv_events
 from services.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -317,6 +317,12 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
     async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
         return self.worker.info()
+
+    async def WatchKVEvents(self, req: wpb.WatchKVEventsRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[wpb.WatchKVEventsResponse]:
+        async for batch in kv_events.watch(self.worker.kv_events, context):
+            yield batch
 
     async def LoadLoraAdapter(self, req: pb.LoadLoraAdapterRequest,
                               context: grpc.aio.ServicerContext

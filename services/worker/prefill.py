@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
@@ -24,7 +25,7 @@ from services.observability import tracing
 from services.observability.request_spans import NULL_PREFILL, PrefillSpan, prefill_span
 from services.observability.spans import error_type
 from services.server.grpc_server import Service
-from services.worker import checks
+from services.worker import checks, kv_events
 from services.worker.worker import Worker
 
 log = logging.getLogger(__name__)
@@ -119,6 +120,12 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
     async def GetWorkerInfo(self, req: wpb.GetWorkerInfoRequest,
                             context: grpc.aio.ServicerContext) -> wpb.WorkerInfo:
         return self.worker.info()
+
+    async def WatchKVEvents(self, req: wpb.WatchKVEventsRequest,
+                            context: grpc.aio.ServicerContext
+                            ) -> AsyncIterator[wpb.WatchKVEventsResponse]:
+        async for batch in kv_events.watch(self.worker.kv_events, context):
+            yield batch
 
 
 def prefill_service(worker: Worker) -> Service:

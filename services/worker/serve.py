@@ -90,6 +90,10 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
         if registry is not None:
             with contextlib.suppress(Exception):
                 await registry.deregister(worker.identity.worker_id)
+        # Routers' WatchKVEvents streams never end by themselves: ended here, they do
+        # not hold the drain for its whole grace period.
+        if worker.kv_events is not None:
+            await asyncio.to_thread(worker.kv_events.close)
 
     tasks.append(asyncio.create_task(leave_rotation()))
 
@@ -116,6 +120,8 @@ async def run_worker(role: Role, engine_cfg: EngineConfig, server_cfg: ServerCon
                 await registry.deregister(worker.identity.worker_id)
             await registry.close()
         worker.engine.shutdown()
+        if worker.kv_events is not None:
+            worker.kv_events.close()
         tracing.shutdown_tracing()  # the last spans are exported before the process ends
     if died.is_set():
         raise EngineDead(f"the engine of {worker.identity.worker_id} died")

@@ -11,7 +11,7 @@ import socket
 import tempfile
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +93,8 @@ class Worker:
     engine: Engine
     fingerprint: LayoutFingerprint
     kv_address: str
-    kv_events_address: str = ""  # where routers subscribe to the engine's KV events
-    _warned_unreachable: bool = field(default=False, init=False, repr=False)
+    # The engine's KV cache events, served to routers by WatchKVEvents (None: off)
+    kv_events: EventRelay | None = None
 
     @classmethod
     def start(cls, role: Role, engine_cfg: EngineConfig, config: WorkerConfig,
@@ -115,8 +115,8 @@ class Worker:
         address = ""
         # The events tell routers which blocks the engine holds; without a prefix cache
         # it holds none worth routing to.
-        relay = (EventRelay(config.kv_events_host, config.kv_events_port)
-                 if config.kv_events and engine_cfg.enable_prefix_caching else None)
+        relay = (EventRelay() if config.kv_events and engine_cfg.enable_prefix_caching
+                 else None)
         with tempfile.TemporaryDirectory(prefix="pdserve-kv-") as tmp:
             # decode: the KV receiver binds its port inside the engine and writes it here
             port_file = str(Path(tmp) / "port") if role == "decode" else ""
@@ -133,26 +133,8 @@ class Worker:
             if role == "decode":
                 host = config.kv_advertise_host or local_host(config.kv_host)
                 address = f"{host}:{Path(port_file).read_text().strip()}"
-        events = f"{local_host(config.kv_events_host)}:{relay.port}" if relay else ""
         return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address,
-                   events)
-
-    def events_address(self, address: str) -> str:
-        """The KV events address routers can reach, given the gRPC address they use:
-        none when the events bind loopback but the routers dial this worker from
-        elsewhere (they would subscribe to their own host), so those routers use the
-        approximate index instead of an empty precise one."""
-        if not self.kv_events_address:
-            return ""
-        events_host = self.kv_events_address.rpartition(":")[0]
-        if _loopback(events_host) and not _loopback(address.rpartition(":")[0]):
-            if not self._warned_unreachable:
-                self._warned_unreachable = True
-                log.warning("KV events bind %s, which routers dialling %s cannot reach: "
-                            "not advertised (set --kv-events-host to this host's address "
-                            "for precise prefix routing)", events_host, address)
-            return ""
-        return self.kv_events_address
+                   relay)
 
     def record(self, address: str, metrics_port: int = 0,
                metrics_address: str = "") -> WorkerRecord:
@@ -169,7 +151,7 @@ class Worker:
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
             tp=self.engine.config.tensor_parallel_size,
             kv_heads=self.fingerprint.num_kv_heads, block_size=self.fingerprint.block_size,
-            kv_events_address=self.events_address(address),
+            kv_events=self.kv_events is not None,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
             pid=os.getpid(), loras=tuple(self.engine.adapter_paths().items()),
         )
@@ -191,6 +173,3 @@ class Worker:
                 for name, path in self.engine.adapter_paths().items()],
         )
 
-
-def _loopback(host: str) -> bool:
-    return host in ("localhost", "::1", "[::1]") or host.startswith("127.")

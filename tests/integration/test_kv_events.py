@@ -1,6 +1,7 @@
-"""The precise prefix index fed by real engines' KV cache events: two prefill workers and
-one decode worker (real vLLM engines, standalone processes), a real redis-server, and a
-router in this process so its index can be read directly."""
+"""The precise prefix index fed by real engines' KV cache events, watched over each
+worker's gRPC port: two prefill workers and one decode worker (real vLLM engines,
+standalone processes), a real redis-server, and a router in this process so its index can
+be read directly."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ async def router(stack: Stack, model_path: Path, tokenizer) -> AsyncIterator[Rou
     backend = RouterBackend(RouterConfig(policy="load"), registry, tokenizer, str(model_path))
     try:
         await backend.start(60)
-        await until(lambda: len(backend.kv_feeds.workers) == 3, "three workers followed")
+        await until(lambda: len(backend.kv_feeds.subscribed) == 3, "three workers followed")
         yield backend
     finally:
         await backend.close()
@@ -117,7 +118,8 @@ def records(router: RouterBackend) -> dict[str, WorkerRecord]:
 async def test_every_worker_publishes_and_stored_blocks_reach_the_index(
         router: RouterBackend, tokenizer) -> None:  # type: ignore[no-untyped-def]
     views = records(router)
-    assert all(w.kv_events_address.startswith("127.0.0.1:") for w in views.values()), views
+    # Served on each worker's gRPC port: the record says so, and names no other port.
+    assert all(w.kv_events for w in views.values()), views
     assert router.index_mode == "precise"
     ids = prompt_of_length(tokenizer, 5 * BLOCK + 40, salt="events reach the index")
     assert set(hits(router, ids).values()) == {0}
@@ -208,6 +210,9 @@ async def test_a_restarted_worker_starts_with_no_blocks(
     # The new engine's cache is empty, and so is the index's view of it.
     assert router.kv_index.tracking("events-decode")
     assert hits(router, ids)["events-decode"] == 0
+    # Batches published before the router's stream opens are not seen (as after any
+    # subscription): the request waits for it.
+    await until(lambda: "events-decode" in router.kv_feeds.subscribed, "subscribed again")
     await run(router, ids)
     await until(lambda: hits(router, ids)["events-decode"] == 3 * BLOCK,
                 "the restarted engine's events reach the index")

@@ -2,7 +2,8 @@
 
 - an internal (mTLS) port: served to a peer with an internal certificate; refused to a
   peer without a certificate, with one from another CA, with a public-API client
-  certificate, or in plaintext; the client refuses a server from another CA;
+  certificate, or in plaintext; the client refuses a server from another CA; the same
+  for a worker's KV events stream (WatchKVEvents);
 - the public TLS port, with and without required client certificates;
 - API keys on gRPC (health open, reflection and the API closed) and on HTTP (401 in
   OpenAI's error shape, as the `openai` client sees it).
@@ -150,6 +151,48 @@ async def test_internal_clients_check_the_internal_name(sets: tuple[Path, Path])
         # Without the name override, the client checks "127.0.0.1": not in the cert.
         assert await refused(tls_channel(port, router, internal=False)) == \
             grpc.StatusCode.UNAVAILABLE
+
+
+async def test_kv_events_are_served_only_to_internal_peers(sets: tuple[Path, Path]) -> None:
+    """WatchKVEvents (cached token ids) rides a worker's internal port: a router with an
+    internal certificate subscribes; no stream opens for anyone else."""
+    from pdserve.v1 import worker_pb2 as wpb
+    from services.router.orchestrator import Peer
+    from services.worker.kv_events import EventRelay
+    from tests.helpers.kv_events import events_server
+
+    ours, theirs = sets
+    decode = certs.internal_files(ours, "decode")
+    router = certs.internal_files(ours, "router")
+    relay = EventRelay()
+    try:
+        async with events_server(relay, bind=lambda s, a: add_internal_port(s, a, decode)
+                                 ) as port:
+            address = f"127.0.0.1:{port}"
+
+            async def watch_code(channel: grpc.aio.Channel) -> grpc.StatusCode:
+                async with channel:
+                    call = Peer("w", channel).watch_kv_events(wpb.WatchKVEventsRequest(),
+                                                              timeout=5)
+                    return await call.code()
+
+            foreign = certs.internal_files(theirs, "router")
+            client = certs.public_files(ours, "client")
+            for channel in (grpc.aio.insecure_channel(address),
+                            tls_channel(port, TLSFiles(ca=router.ca)),
+                            tls_channel(port, TLSFiles(router.ca, foreign.cert, foreign.key)),
+                            tls_channel(port, TLSFiles(router.ca, client.cert, client.key))):
+                assert await watch_code(channel) == grpc.StatusCode.UNAVAILABLE
+                assert relay.subscribers == 0
+            async with dial(address, router) as channel:
+                call = Peer("w", channel).watch_kv_events(wpb.WatchKVEventsRequest())
+                deadline = asyncio.get_running_loop().time() + 10
+                while relay.subscribers != 1:
+                    assert asyncio.get_running_loop().time() < deadline, "not subscribed"
+                    await asyncio.sleep(0.05)
+                call.cancel()
+    finally:
+        relay.close()
 
 
 # -- the public port: TLS, optionally mutual ----------------------------------------------

@@ -1,23 +1,16 @@
-"""The precise prefix index: pure logic over KV cache events, and the subscriber fed by a
-fake event feed (a real ZeroMQ PUB socket on loopback sending what a vLLM engine would;
-the engines' own events are tested with real engines in tests/integration)."""
+"""The precise prefix index: pure logic over KV cache events (the subscriber, fed over
+gRPC, is tested in test_kv_events_relay.py; the engines' own events with real engines in
+tests/integration)."""
 
 from __future__ import annotations
 
-import asyncio
-import time
-
 import msgspec
-import pytest
-import zmq
 
-from services.registry.records import WorkerRecord
 from services.router.kv_index import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
     KVEventBatch,
-    KVEventFeeds,
     KVIndex,
 )
 from services.router.prefix import block_hashes
@@ -130,59 +123,3 @@ def test_vllms_own_event_encoding_decodes() -> None:
     index.track("w", BS)
     index.apply("w", 0, batch.events[:1])  # vLLM's classes apply as well
     assert index.hits(["w"], PROMPT) == {"w": 8}
-
-
-def record(epoch: int, address: str, worker_id: str = "p1") -> WorkerRecord:
-    return WorkerRecord(worker_id=worker_id, role="prefill", address="127.0.0.1:1",
-                        host="h", epoch=epoch, fingerprint="f", block_size=BS,
-                        kv_events_address=address)
-
-
-async def until(check: object, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            raise AssertionError("not reached in time")
-        await asyncio.sleep(0.02)
-
-
-async def test_feeds_subscribe_apply_and_start_afresh_on_a_new_epoch() -> None:
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    encoder = msgspec.msgpack.Encoder()
-    seq = 0
-
-    def publish(*events: object) -> None:
-        nonlocal seq
-        payload = encoder.encode(KVEventBatch(ts=time.time(), events=list(events)))
-        pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
-        seq += 1
-
-    index = KVIndex()
-    feeds = KVEventFeeds(index)
-    try:
-        feeds.sync([record(1, f"127.0.0.1:{port}")])
-        assert index.tracking("p1") and feeds.workers == ["p1"]
-
-        def found() -> bool:  # publish until the subscriber is connected (slow joiner)
-            publish(stored([11, 12], PROMPT[:8]))
-            return index.hits(["p1"], PROMPT) == {"p1": 8}
-
-        await until(found)
-        feeds.sync([record(2, f"127.0.0.1:{port}")])  # restarted: a new epoch
-        assert index.hits(["p1"], PROMPT) == {"p1": 0}
-        feeds.sync([])  # gone from the view
-        assert not index.tracking("p1") and feeds.workers == []
-    finally:
-        await feeds.close()
-        pub.close(linger=0)
-        ctx.term()
-
-
-@pytest.mark.parametrize("host", ["*", "0.0.0.0", "::", ""])
-def test_the_events_socket_never_binds_a_wildcard(host: str) -> None:
-    from services.worker.config import WorkerConfig
-
-    with pytest.raises(ValueError, match="wildcard"):
-        WorkerConfig(kv_events_host=host)

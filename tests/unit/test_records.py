@@ -45,12 +45,13 @@ def test_the_kv_layout_round_trips_and_an_older_record_reads_as_tp_1() -> None:
     assert (r.tp, r.kv_heads, r.block_size) == (1, 0, 0)  # 0: not reported
 
 
-def test_the_kv_events_address_round_trips_and_an_older_record_has_none() -> None:
-    r = WorkerRecord.from_dict(record(kv_events_address="127.0.0.1:5557"))
-    assert WorkerRecord.from_json(json.dumps(r.to_dict())).kv_events_address == "127.0.0.1:5557"
+def test_the_kv_events_flag_round_trips_and_an_older_record_has_none() -> None:
+    r = WorkerRecord.from_dict(record(kv_events=True))
+    assert WorkerRecord.from_json(json.dumps(r.to_dict())).kv_events is True
     older = record()
-    del older["kv_events_address"]
-    assert WorkerRecord.from_dict(older).kv_events_address == ""  # events off: approximate
+    del older["kv_events"]
+    older["kv_events_address"] = "127.0.0.1:5557"  # a writer of the ZeroMQ events port
+    assert WorkerRecord.from_dict(older).kv_events is False  # approximate index for it
 
 
 def test_layout_differences_say_which_part_of_the_layout_differs() -> None:
@@ -85,7 +86,7 @@ def test_what_is_not_a_json_object_is_refused(text: str | bytes, reason: str) ->
     {"address": "host:99999"}, {"worker_id": ""}, {"capacity": 0}, {"load": [1]},
     {"load": {"running": "many"}}, {"updated": "yesterday"}, {"tp": 0}, {"tp": "2"},
     {"kv_heads": -1}, {"block_size": -16}, {"block_size": 16.0},
-    {"kv_events_address": "no-port"}, {"kv_events_address": 5557},
+    {"kv_events": 1}, {"kv_events": "true"}, {"capacity": True}, {"updated": False},
 ])
 def test_wrong_types_and_values_are_schema_errors(changes: dict[str, object]) -> None:
     with pytest.raises(BadRecord) as e:

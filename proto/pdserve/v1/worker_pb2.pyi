@@ -168,3 +168,15 @@ class DecodeRequest(_message.Message):
     generated_tokens: int
     lora_name: str
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., first_token_id: _Optional[int] = ..., sampling: _Optional[_Union[_generate_pb2.SamplingParams, _Mapping]] = ..., handle: _Optional[_Union[TransferHandle, _Mapping]] = ..., fault: _Optional[str] = ..., generated_tokens: _Optional[int] = ..., lora_name: _Optional[str] = ...) -> None: ...
+
+class WatchKVEventsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WatchKVEventsResponse(_message.Message):
+    __slots__ = ("seq", "batch")
+    SEQ_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
+    seq: int
+    batch: bytes
+    def __init__(self, seq: _Optional[int] = ..., batch: _Optional[bytes] = ...) -> None: ...

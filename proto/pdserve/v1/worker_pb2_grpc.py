@@ -47,6 +47,11 @@ class PrefillServiceStub:
                 request_serializer=pdserve_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/pdserve.v1.PrefillService/WatchKVEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillServiceServicer:
@@ -70,6 +75,13 @@ class PrefillServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """WatchKVEvents streams the engine's KV cache events (see DecodeService).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -82,6 +94,11 @@ def add_PrefillServiceServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=pdserve_dot_v1_dot_worker__pb2.GetWorkerInfoRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_worker__pb2.WorkerInfo.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -150,6 +167,33 @@ class PrefillService:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.PrefillService/WatchKVEvents',
+            pdserve_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WatchKVEventsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeServiceStub:
     """A decode worker receives KV from prefill workers and generates the rest of the answer.
@@ -185,6 +229,11 @@ class DecodeServiceStub:
                 '/pdserve.v1.DecodeService/UnloadLoraAdapter',
                 request_serializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
                 response_deserializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+                _registered_method=True)
+        self.WatchKVEvents = channel.unary_stream(
+                '/pdserve.v1.DecodeService/WatchKVEvents',
+                request_serializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
+                response_deserializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsResponse.FromString,
                 _registered_method=True)
 
 
@@ -235,6 +284,20 @@ class DecodeServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchKVEvents(self, request, context):
+        """WatchKVEvents streams the engine's KV cache events (blocks stored, removed, all
+        cleared) from the moment of the call, as vLLM publishes them, for routers' precise
+        prefix index. The stream ends when the worker stops, or when this caller falls too
+        far behind (ABORTED): events were then lost, so the caller drops what it knows of
+        this worker's cache before it calls again. FAILED_PRECONDITION when the worker
+        publishes no events (prefix caching off, or --no-kv-events). Served by every worker
+        (a prefill worker serves DecodeService too) on its internal, mutually
+        authenticated port: the events name the token ids the engine has cached.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -262,6 +325,11 @@ def add_DecodeServiceServicer_to_server(servicer, server):
                     servicer.UnloadLoraAdapter,
                     request_deserializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.FromString,
                     response_serializer=pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.SerializeToString,
+            ),
+            'WatchKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchKVEvents,
+                    request_deserializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsRequest.FromString,
+                    response_serializer=pdserve_dot_v1_dot_worker__pb2.WatchKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -400,6 +468,33 @@ class DecodeService:
             '/pdserve.v1.DecodeService/UnloadLoraAdapter',
             pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterRequest.SerializeToString,
             pdserve_dot_v1_dot_generate__pb2.UnloadLoraAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.v1.DecodeService/WatchKVEvents',
+            pdserve_dot_v1_dot_worker__pb2.WatchKVEventsRequest.SerializeToString,
+            pdserve_dot_v1_dot_worker__pb2.WatchKVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
