@@ -11,11 +11,17 @@ else (every change is in `kubelet_stand_in`):
   pod template;
 - the pods share the host's network (as `podman kube play --network host`), so each role
   gets its own ports through the chart's values, status.podIP is 127.0.0.1, and the Redis
-  Service's name resolves to 127.0.0.1 (the URL's host is rewritten);
-- podman 4.x mounts neither projected volumes nor expands `$(VAR)` references in env:
-  the test writes each projected Secret volume into a folder (mode and group as the
-  kubelet would: defaultMode, fsGroup) mounted as a hostPath, and gives env its values
-  (secretKeyRef and `$(VAR)` resolved from the rendered Secrets);
+  Service's name resolves to 127.0.0.1 (the URL's host is rewritten); podman refuses a
+  container's `ports` on the host's network (it would map them), so they are dropped,
+  probes that name a port given its number first;
+- podman makes each emptyDir a named volume shared by every pod with a volume of that
+  name, owned by root: each becomes a world-writable folder of the pod's own, as the
+  kubelet makes it;
+- podman 4.x mounts neither projected volumes nor expands `$(VAR)` references in env,
+  command and args: the test writes each projected Secret volume into a folder (mode and
+  group as the kubelet would: defaultMode, fsGroup) mounted as a hostPath, and gives env,
+  command and args their values (secretKeyRef and `$(VAR)` resolved from the rendered
+  Secrets);
 - podman runs no gRPC probes: the test asks each pod's startup/readiness probe (the
   chart's own port and service) until it answers SERVING.
 """
@@ -130,6 +136,30 @@ def _write_projected(volume: dict[str, Any], secrets: dict[str, dict[str, bytes]
             os.chown(p, 0, fs_group if fs_group is not None else 0)
 
 
+PROBES = ("startupProbe", "readinessProbe", "livenessProbe")
+
+
+def _expand_arguments(container: dict[str, Any]) -> None:
+    """`$(VAR)` in command and args from the container's env, as the kubelet expands
+    them (podman 4.x passes them on as they are)."""
+    env = {var["name"]: var["value"] for var in container["env"]}
+    for key in ("command", "args"):
+        if key in container:
+            container[key] = [re.sub(r"\$\((\w+)\)", lambda m: env.get(m[1], m[0]), str(a))
+                              for a in container[key]]
+
+
+def _host_network_ports(container: dict[str, Any]) -> None:
+    """On the host's network a container's ports are the process's own: drop `ports`,
+    giving probes that name one its number."""
+    numbers = {p["name"]: p["containerPort"] for p in container.pop("ports", []) if "name" in p}
+    for probe in (container.get(k) for k in PROBES):
+        for action in ("tcpSocket", "grpc", "httpGet"):
+            target = (probe or {}).get(action)
+            if target is not None and isinstance(target.get("port"), str):
+                target["port"] = numbers[target["port"]]
+
+
 def kubelet_stand_in(objects: list[dict[str, Any]], folder: Path,
                      redis_port: int) -> tuple[list[dict[str, Any]], list[tuple[str, dict]]]:
     """What podman kube play can run, and (pod name, container) of each workload's
@@ -152,6 +182,15 @@ def kubelet_stand_in(objects: list[dict[str, Any]], folder: Path,
             spec = o["spec"]["template"]["spec"]
             fs_group = spec.get("securityContext", {}).get("fsGroup")
             for volume in spec.get("volumes", []):
+                if "emptyDir" in volume:
+                    # podman turns an emptyDir into a named volume shared by every pod
+                    # with a volume of that name, owned by root 0755; the kubelet gives
+                    # each pod a world-writable folder of its own.
+                    volume.pop("emptyDir")
+                    path = folder / name / f"empty-{volume['name']}"
+                    path.mkdir(parents=True)
+                    path.chmod(0o1777)
+                    volume["hostPath"] = {"path": str(path), "type": "Directory"}
                 if "projected" in volume or "secret" in volume:
                     path = folder / name / volume["name"]
                     path.mkdir(parents=True)
@@ -161,6 +200,8 @@ def kubelet_stand_in(objects: list[dict[str, Any]], folder: Path,
                     volume["hostPath"] = {"path": str(path), "type": "Directory"}
             for container in spec["containers"]:
                 container["env"] = _env(container, secrets, config_maps, redis_port)
+                _expand_arguments(container)
+                _host_network_ports(container)
                 containers.append((name, container))
         played.append(o)
     return played, containers
