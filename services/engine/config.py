@@ -283,9 +283,12 @@ class EngineConfig(BaseSettings):
 
     def vllm_env(self) -> dict[str, str]:
         """Environment the engine's child processes must see (read when they spawn)."""
-        if not cpu_only():
-            return {}
+        cpu = cpu_only()
+        env = internal_loopback_env() if cpu or self.tensor_parallel_size == 1 else {}
+        if not cpu:
+            return env
         return {
+            **env,
             "VLLM_CPU_KVCACHE_SPACE": str(self.kv_cache_gib),
             "VLLM_CPU_OMP_THREADS_BIND": self.threads_bind(),
             # Our connector runs no extra threads that need a core held back for them.
@@ -293,6 +296,24 @@ class EngineConfig(BaseSettings):
             "LD_PRELOAD": preload_allocator(self.allocator, os.environ.get("LD_PRELOAD", "")),
             "ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(self.onednn_primitive_cache),
         }
+
+
+def internal_loopback_env() -> dict[str, str]:
+    """Keep the engine's own sockets on loopback when all its ranks run on this host.
+
+    vLLM builds a dozen torch.distributed gloo groups per engine (world, tensor, pipeline,
+    data and expert parallel, ...) even for one rank, and gloo listens on the address the
+    machine's hostname resolves to: on a host with a routable address, each group leaves a
+    listening socket there on an ephemeral port, reachable by other machines and serving
+    no one but the engine itself. `GLOO_SOCKET_IFNAME` puts them on loopback, and
+    `VLLM_HOST_IP` keeps vLLM's own address guess (`get_ip()`, which falls back to
+    0.0.0.0 on a host without a default route) there too. Settings the operator gave win.
+    Only for engines whose ranks are this host's processes: vLLM's Ray executor (GPU
+    tensor parallelism under `pdserve up`) compares its workers' addresses with its own.
+    pdserve's own KV transports choose their address explicitly and are not affected.
+    """
+    return {"GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo"),
+            "VLLM_HOST_IP": os.environ.get("VLLM_HOST_IP", "127.0.0.1")}
 
 
 # A step cannot be interrupted: with vLLM's CPU budget (2048 tokens) one long prompt's

@@ -82,6 +82,8 @@ class PdserveConnector(KVConnectorBase_V1):
         self.scheduler: SchedulerSide | None = None
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
+        # Layers held until the forward pass ends, where layer-wise shipping is off.
+        self._held: list[tuple[str, torch.Tensor]] = []
         if role == KVConnectorRole.SCHEDULER:
             self.scheduler = SchedulerSide(block_size, self.is_producer)
             return
@@ -124,11 +126,21 @@ class PdserveConnector(KVConnectorBase_V1):
     def save_kv_layer(
         self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
     ) -> None:
-        if self.producer is not None:
+        if self.producer is None:
+            return
+        if self.settings.layerwise:
             self.producer.save_kv_layer(self._meta(), layer_name, kv_layer)
+        else:
+            self._held.append((layer_name, kv_layer))
 
     def wait_for_save(self) -> None:
-        return  # shipping runs in the background; blocks stay held until it is acked
+        # Called after the forward pass, while this step's metadata and KV cache are
+        # still current. Shipping itself runs in the background either way; blocks stay
+        # held until it is acked.
+        held, self._held = self._held, []
+        if self.producer is not None:
+            for layer_name, kv_layer in held:
+                self.producer.save_kv_layer(self._meta(), layer_name, kv_layer)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         if self.producer is not None:

@@ -48,6 +48,9 @@ class KVSettings(Contract):
     # device to device over CUDA IPC (the decode worker lends its GPU memory) instead of
     # through host segments.
     cuda_ipc: bool = True
+    # Producer: ship each layer as it is computed (off: all of a step's layers after
+    # its forward pass, which exposes the whole transfer; for comparisons).
+    layerwise: bool = True
     # Consumer: a KV stream whose first frame has not arrived by then is cancelled, so
     # idle connections cannot hold the receiver's handler threads.
     header_timeout_s: float = TRANSPORT_DEFAULTS.header_timeout_s

@@ -6,6 +6,10 @@ while fewer than `limit` unexpired ones exist, renews the leases it holds every 
 of their TTL while their requests run, and removes each when its request ends. A
 router that crashes stops renewing, and its leases lapse within one TTL: the client's
 slots come back without anyone cleaning up.
+
+While Redis does not answer, a router grants leases on its own count alone (the limit
+then holds per router, not across them), so a partition from Redis costs the limit's
+precision for a while, never the requests.
 """
 
 from __future__ import annotations
@@ -18,7 +22,15 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import Any
 
+from prometheus_client import Counter
+from redis.exceptions import RedisError
+
 log = logging.getLogger(__name__)
+
+LOCAL_LEASES = Counter("pdserve_router_client_leases_local",
+                       "client leases this router granted on its own count because Redis "
+                       "did not answer")
+LOG_EVERY_S = 30.0
 
 _NOW = """
 local t = redis.call('TIME')
@@ -49,6 +61,7 @@ end
 class Lease:
     client_id: str
     lease_id: str
+    local: bool = False  # granted on this router's own count: Redis did not answer
 
 
 class ClientLeases:
@@ -67,19 +80,37 @@ class ClientLeases:
         self._renew = redis.register_script(RENEW)
         self._held: dict[str, set[str]] = defaultdict(set)
         self._renewer: asyncio.Task[None] | None = None
+        self._warned = -LOG_EVERY_S  # loop time of the last "Redis did not answer"
 
     def _key(self, client_id: str) -> str:
         return f"{self.key_prefix}{client_id}"
 
     async def acquire(self, client_id: str, limit: int) -> Lease | None:
         lease = Lease(client_id, uuid.uuid4().hex)
-        got = await self._acquire(keys=[self._key(client_id)],
-                                  args=[limit, self.ttl_ms, lease.lease_id])
+        try:
+            got = await self._acquire(keys=[self._key(client_id)],
+                                      args=[limit, self.ttl_ms, lease.lease_id])
+        except (TimeoutError, RedisError, OSError) as e:
+            return self._acquire_here(lease, limit, e)
         if not int(got):
             return None
         self._held[client_id].add(lease.lease_id)
         if self._renewer is None or self._renewer.done():
             self._renewer = asyncio.create_task(self._renew_forever())
+        return lease
+
+    def _acquire_here(self, lease: Lease, limit: int, error: BaseException) -> Lease | None:
+        """Redis did not answer: the client's slots as this router counts them."""
+        now = asyncio.get_running_loop().time()
+        if now - self._warned >= LOG_EVERY_S:
+            self._warned = now
+            log.warning("client leases: Redis did not answer (%s); admitting on this "
+                        "router's own count until it does", error)
+        if self.held(lease.client_id) >= limit:
+            return None
+        LOCAL_LEASES.inc()
+        lease = Lease(lease.client_id, lease.lease_id, local=True)
+        self._held[lease.client_id].add(lease.lease_id)
         return lease
 
     async def release(self, lease: Lease) -> None:
@@ -88,7 +119,8 @@ class ClientLeases:
             held.discard(lease.lease_id)
             if not held:
                 del self._held[lease.client_id]
-        await self.redis.zrem(self._key(lease.client_id), lease.lease_id)
+        if not lease.local:  # a local lease never reached Redis
+            await self.redis.zrem(self._key(lease.client_id), lease.lease_id)
 
     def held(self, client_id: str) -> int:
         return len(self._held.get(client_id, ()))

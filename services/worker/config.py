@@ -62,6 +62,11 @@ class WorkerConfig(BaseSettings):
     kv_cuda_ipc: bool = Field(True, description="with kv_shm, workers on one host that both "
                               "run on GPUs move KV device to device over CUDA IPC (off: "
                               "through host shared memory)", json_schema_extra=ADVANCED)
+    kv_layerwise: bool = Field(
+        True, description="prefill: ship each layer's KV as soon as the layer is computed, "
+        "overlapping the transfer with the rest of the forward pass (off: every layer "
+        "leaves after the pass, as connectors without layer-wise shipping do; for "
+        "comparisons)", json_schema_extra=ADVANCED)
     kv_staging_gib: float = Field(
         0.0, ge=0, description="decode: most KV bytes staged for requests not yet "
         "admitted; beyond, new transfers are refused (0 = the size of the CPU KV cache; "

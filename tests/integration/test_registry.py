@@ -211,3 +211,25 @@ async def test_scale_and_down_without_a_stack_say_what_to_do(
     assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
     assert out.stderr.strip().count("\n") == 0 and "cannot reach" in out.stderr
     assert "hunter2" not in out.stderr
+
+
+async def test_client_leases_fall_back_to_the_routers_own_count_while_redis_is_away(
+        ) -> None:
+    """Redis stops answering: leases are granted on this router's own count (the limit
+    still holds for its requests) instead of failing the requests, and are released
+    without Redis; once Redis answers again, leases are Redis's again."""
+    server = RedisServer().start()
+    registry = Registry.from_url(server.url, signer=RecordSigner(None))
+    try:
+        held = await registry.acquire_client_lease("erin", 2)
+        assert held is not None and not held.local
+        server.cleanup()  # Redis is gone
+        local = await registry.acquire_client_lease("erin", 2)
+        assert local is not None and local.local
+        # this router holds both of erin's slots now: the third is refused, not failed
+        assert await registry.acquire_client_lease("erin", 2) is None
+        await registry.release_client_lease(local)  # never reaches Redis
+        assert registry.leases.held("erin") == 1
+    finally:
+        await registry.close()
+        server.cleanup()

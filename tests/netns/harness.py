@@ -139,6 +139,20 @@ def _free_subnet() -> ipaddress.IPv4Network:
     raise FabricError(f"every {SUBNET_BASE}.x.0/24 subnet is in use on this machine")
 
 
+_HOLDER = re.compile(r'users:\(\("([^"]*)",pid=(\d+)')
+
+
+@dataclass(frozen=True)
+class Socket:
+    ip: str  # "*" or "0.0.0.0" or "::" for every interface
+    port: int
+    process: str  # the holder's name (vLLM names its processes: VLLM::Worker, ...)
+    pid: int
+
+    def __str__(self) -> str:
+        return f"{self.ip}:{self.port} ({self.process}, pid {self.pid})"
+
+
 @dataclass
 class Host:
     name: str
@@ -229,8 +243,30 @@ class Fabric:
 
     def listeners(self, name: str) -> list[str]:
         """Local addresses of the TCP sockets listening in `name` (`ip:port`)."""
-        out = self.run(name, ["ss", "-H", "-l", "-t", "-n"]).stdout
-        return [line.split()[3] for line in out.splitlines() if line.strip()]
+        return [f"{s.ip}:{s.port}" for s in self.sockets(name)]
+
+    def sockets(self, name: str) -> list[Socket]:
+        """The TCP sockets listening in `name`, with the process holding each."""
+        out = self.run(name, ["ss", "-H", "-l", "-t", "-n", "-p"]).stdout
+        found = []
+        for line in out.splitlines():
+            if not line.strip():
+                continue
+            local = line.split()[3]
+            ip, _, port = local.rpartition(":")
+            # gRPC binds an IPv4 address as its IPv6-mapped form: [::ffff:10.77.x.y]:port.
+            ip = ip.strip("[]").removeprefix("::ffff:")
+            holder = _HOLDER.search(line)
+            found.append(Socket(ip, int(port), holder.group(1) if holder else "",
+                                int(holder.group(2)) if holder else 0))
+        return found
+
+    def link_bytes(self, name: str) -> tuple[int, int]:
+        """Bytes `name` has sent and received over its link so far (its bridge port's
+        counters, read from outside: they keep counting whatever runs in the host)."""
+        stats = Path("/sys/class/net") / self.hosts[name].veth / "statistics"
+        # The bridge-side end receives what the host sends, and sends what it receives.
+        return (int((stats / "rx_bytes").read_text()), int((stats / "tx_bytes").read_text()))
 
     # -- links ----------------------------------------------------------------------------
     def shape(self, name: str, delay_ms: float, rate_mbit: int) -> bool:
