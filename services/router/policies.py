@@ -45,9 +45,13 @@ class LocalLoad:
     show yet. Reports lag by up to a heartbeat, so a request counts here from its dispatch
     until the worker reports after it (a worker without reports, as in the local pair,
     is known by these counts alone), and its prompt tokens only until its first token:
-    a request that is decoding is no longer in anyone's prefill queue."""
+    a request that is decoding is no longer in anyone's prefill queue. The other way
+    round, a prompt a report still counts as queued may have been prefilled since: those
+    are taken off the reported queue until a report written after them arrives."""
 
     flights: dict[str, set[Flight]] = field(default_factory=dict)
+    # worker id -> (sent, prefilled at, prompt tokens) of prompts prefilled lately
+    drained: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
 
     def sent(self, worker_id: str, prompt_tokens: int) -> Flight:
         flight = Flight(worker_id, prompt_tokens)
@@ -55,7 +59,22 @@ class LocalLoad:
         return flight
 
     def prefilled(self, flight: Flight) -> None:
+        if flight.prompt_tokens:
+            self.drained.setdefault(flight.worker_id, []).append(
+                (flight.sent, time.time(), flight.prompt_tokens))
         flight.prompt_tokens = 0
+
+    def stale_queued(self, w: WorkerRecord) -> int:
+        """Prompt tokens `w`'s last report counts as queued that were prefilled since
+        (sent before the report was written, their first token back after it)."""
+        entries = self.drained.get(w.worker_id)
+        if not entries:
+            return 0
+        entries[:] = [e for e in entries if e[1] > w.updated]  # later reports show them
+        if not entries:
+            del self.drained[w.worker_id]
+            return 0
+        return sum(tokens for sent, _, tokens in entries if sent <= w.updated)
 
     def done(self, flight: Flight) -> None:
         mine = self.flights.get(flight.worker_id)
@@ -99,9 +118,10 @@ def decode_has_room(d: WorkerRecord, local: LocalLoad) -> bool:
 
 
 def prefill_queue(p: WorkerRecord, local: LocalLoad) -> int:
-    """Prompt tokens waiting on a prefill worker: its last report plus what this router
-    sent it since."""
-    return p.load.queued_prompt_tokens + local.prompt_tokens(p)
+    """Prompt tokens waiting on a prefill worker: its last report, less what this router
+    saw prefilled since, plus what it sent it since."""
+    return (max(0, p.load.queued_prompt_tokens - local.stale_queued(p))
+            + local.prompt_tokens(p))
 
 
 def prefill_pool_full(choice: Choice, local: LocalLoad, max_queued_tokens: int) -> str | None:

@@ -50,6 +50,27 @@ def test_prefill_by_queued_tokens_including_local_in_flight() -> None:
     assert policy.choose(prefills, decodes, RouteInput(50), local).prefill.worker_id == "p2"  # type: ignore[union-attr]
 
 
+def test_a_prompt_prefilled_since_the_report_leaves_the_reported_queue() -> None:
+    """A report written while a prompt was queued still counts it after its first token
+    came back: the router takes it off until a later report shows the queue without it,
+    so the worker that just served a conversation's turn is not taken for busy."""
+    import time
+
+    from services.router.policies import prefill_queue
+
+    local = LocalLoad()
+    flight = local.sent("p1", 660)
+    report = worker("p1", "prefill", updated=time.time() + 0.5, queued_prompt_tokens=700)
+    time.sleep(0.01)
+    assert prefill_queue(report, local) == 700  # not prefilled yet: the report is right
+    time.sleep(0.5)
+    local.prefilled(flight)
+    assert prefill_queue(report, local) == 40  # the 660 are done; 40 are someone else's
+    later = worker("p1", "prefill", updated=time.time() + 1, queued_prompt_tokens=40)
+    assert prefill_queue(later, local) == 40  # a later report shows it: nothing taken off
+    assert not local.drained
+
+
 def test_prefix_hits_pull_towards_the_worker_holding_the_prefix() -> None:
     policy = LoadAware()
     prefills = [worker("p1", "prefill", queued_prompt_tokens=200), worker("p2", "prefill")]
