@@ -102,10 +102,10 @@ def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
         proc.wait()
 
 
-def scrape(port: int, **labels: str) -> dict[str, float]:
-    """Prometheus samples by name from 127.0.0.1:port; with `labels`, only samples that
+def scrape(port: int, host: str = "127.0.0.1", **labels: str) -> dict[str, float]:
+    """Prometheus samples by name from host:port; with `labels`, only samples that
     carry them (other labels dropped; first sample wins)."""
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
     out: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:

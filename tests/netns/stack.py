@@ -27,6 +27,7 @@ from services.registry.redis_server import write_private
 from services.security import certs
 from services.security.tls import TLSFiles
 from services.server.channels import dial
+from tests.helpers.servers import scrape
 from tests.netns.harness import Fabric, stop_group
 
 GRPC_PORT = 50051  # every host has its own ports: one number for all of them
@@ -89,14 +90,7 @@ class NetStack:
     def metrics(self, host: str, **labels: str) -> dict[str, float]:
         """`host`'s Prometheus samples by name (labels dropped; with `labels`, only
         samples carrying them; first sample wins)."""
-        url = f"http://{self.fabric.addr(host)}:{METRICS_PORT}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if all(s.labels.get(k) == v for k, v in labels.items()):
-                    out.setdefault(s.name, s.value)
-        return out
+        return scrape(METRICS_PORT, self.fabric.addr(host), **labels)
 
     def labelled(self, host: str, name: str, label: str) -> dict[str, float]:
         """The samples of metric `name` on `host`, by the value of `label`."""
