@@ -145,7 +145,12 @@ def test_a_dropped_transfer_leaves_the_receiver_at_once(
     job = ship(producer, consumer, route, tid, [6, 0], 2, prefill_cache)
     consumer.start_load_kv(PdserveConnectorMetadata(dropped_transfers=[tid]))
     assert consumer.receiver.state(tid) is ReceiveState.UNKNOWN
-    assert consumer.receiver.staged() == (0, 0)
+    # A header accepted while the drop lands holds its reservation until its stream sees
+    # the refusal; that must end within moments, not at the lease.
+    deadline = time.monotonic() + 2
+    while consumer.receiver.staged() != (0, 0):
+        assert time.monotonic() < deadline, f"still staged: {consumer.receiver.staged()}"
+        time.sleep(0.01)
     deadline = time.monotonic() + 10
     while job.req_id not in producer.get_finished({job.req_id}):
         assert time.monotonic() < deadline, "the prefill side never freed its blocks"
