@@ -36,10 +36,12 @@ MANAGED: dict[str, frozenset[str]] = {
     "EngineConfig": frozenset({"model", "tensor_parallel_size"}),
     "WorkerConfig": frozenset({"worker_id", "redis_url", "advertise_host", "kv_host",
                                "kv_advertise_host", "kv_port"}),
-    "RouterConfig": frozenset({"redis_url", "router_model"}),
+    # router_models: a release deploys one model (docs/kubernetes.md, "One model per
+    # release").
+    "RouterConfig": frozenset({"redis_url", "router_model", "router_models"}),
     # stack_tls: the chart mounts certificates, `pdserve up` makes none.
     "LauncherConfig": frozenset({"prefill", "decode", "ray_address", "stack_tls",
-                                 "prefill_tp", "decode_tp"}),
+                                 "prefill_tp", "decode_tp", "models"}),
     # the cluster secret's file, mounted from the chart's Secret (values.security).
     "ClusterStateConfig": frozenset({"cluster_secret", "cluster_secret_file",
                                      "allow_unsigned_records"}),

@@ -132,6 +132,7 @@ def cmd_router(args: argparse.Namespace) -> int:
 
 def cmd_up(args: argparse.Namespace) -> int:
     from services.kv.tp_layout import LayoutRefused
+    from services.launcher.models import ModelsRefused
     from services.launcher.settings import stack_from_args
     from services.launcher.up import run_up
     from services.plan.live import PlannerError
@@ -141,7 +142,7 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 1
     try:
         asyncio.run(run_up(stack))
-    except (PlannerError, LayoutRefused) as e:
+    except (PlannerError, LayoutRefused, ModelsRefused) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

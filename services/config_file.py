@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import yaml  # type: ignore[import-untyped]
-from pydantic import SecretStr, TypeAdapter, ValidationError
+from pydantic import BaseModel, SecretStr, TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings
 
@@ -137,6 +137,12 @@ def mask(name: str, value: Any) -> Any:
     """`value` as `config show` prints it: credentials masked, paths kept."""
     if isinstance(value, SecretStr):
         return MASK if value.get_secret_value() else ""
+    if isinstance(value, BaseModel):  # an entry of a list setting (launcher.models)
+        value = value.model_dump()
+    if isinstance(value, dict):
+        return {k: mask(k, v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [mask(name, v) for v in value]
     if not isinstance(value, str) or not value:
         return value
     if SECRET_NAME.search(name):

@@ -109,6 +109,9 @@ class GenerationRequest:
     # The LoRA adapter the request names as its model ("" = the base model): prefill and
     # decode both run under it, as the KV they hand over was computed with it.
     lora: str = ""
+    # The base model the request runs on ("" = the backend's default): a router serving
+    # several models picks its pair among that model's workers only.
+    model: str = ""
 
     def continued(self, generated: list[int]) -> GenerationRequest:
         """The same request resumed after `generated` tokens (a migration): those tokens

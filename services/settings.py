@@ -21,6 +21,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+from pydantic import TypeAdapter, ValidationError
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, EnvSettingsSource
 
@@ -38,6 +39,9 @@ ADVANCED: dict[str, Any] = {"advanced": True}
 # String fields that hold a list: their flag may be repeated and take several values,
 # joined with commas, and goes by these spellings too (vLLM's, for its users).
 LIST_FLAGS: dict[str, tuple[str, ...]] = {"lora_modules": ("--lora",)}
+# Fields that hold a list of entries (each a small mapping): each use of the flag adds
+# one entry, written KEY=VALUE,KEY=VALUE; these spellings are taken too.
+ENTRY_FLAGS: dict[str, tuple[str, ...]] = {"models": ("--add-model",)}
 
 
 class _JoinValues(argparse.Action):
@@ -48,6 +52,38 @@ class _JoinValues(argparse.Action):
         before = getattr(namespace, self.dest, None)
         items = [before] if isinstance(before, str) and before else []
         setattr(namespace, self.dest, ",".join([*items, *values]))
+
+
+class _AddEntries(argparse.Action):
+    """Each value is one more entry, KEY=VALUE,...: a mapping checked as its field's
+    entries are (`entry`), so a wrong key or value is a usage error naming it."""
+
+    entry: TypeAdapter[Any]  # set per field by `_entries_of`
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace,
+                 values: Any, option_string: str | None = None) -> None:
+        entries = list(getattr(namespace, self.dest, None) or [])
+        for value in values:
+            entry = {}
+            for part in str(value).split(","):
+                key, sep, item = part.partition("=")
+                if not sep or not key.strip():
+                    raise argparse.ArgumentError(self, f"{part!r} in {value!r} is not "
+                                                 "KEY=VALUE (entries: KEY=VALUE,KEY=VALUE)")
+                entry[key.strip()] = item.strip()
+            try:
+                self.entry.validate_python(entry)
+            except ValidationError as e:
+                why = "; ".join(f"{'.'.join(map(str, err['loc']))}: {err['msg']}"
+                                for err in e.errors())
+                raise argparse.ArgumentError(self, f"{value!r}: {why}") from None
+            entries.append(entry)
+        setattr(namespace, self.dest, entries)
+
+
+def _entries_of(entry: Any) -> type[argparse.Action]:
+    """The action of a flag whose entries are each checked as `entry` (a type)."""
+    return type("AddEntries", (_AddEntries,), {"entry": TypeAdapter(entry)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,6 +179,12 @@ def add_arguments(parser: argparse.ArgumentParser, model: type[BaseSettings],
         target = _advanced_group(parser) if is_advanced(field) else group
         if base is bool:
             target.add_argument(flag_name(name), action=argparse.BooleanOptionalAction,
+                                **kwargs)
+            continue
+        if typing.get_origin(base) is list:
+            target.add_argument(*ENTRY_FLAGS.get(name, ()), flag_name(name),
+                                metavar="KEY=VALUE,...", nargs="+",
+                                action=_entries_of(typing.get_args(base)[0]),
                                 **kwargs)
             continue
         if name in LIST_FLAGS:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Protocol
 
+from services.api.models import ServedModel
 from services.engine.engine import Engine, ModelFacts
 from services.engine.outputs import Choices, delta_of_output, vllm_params
 from services.errors import InvalidRequest
@@ -25,6 +26,11 @@ class Backend(Protocol):
 
     @property
     def mode(self) -> str: ...
+
+    def served_models(self) -> list[ServedModel]:
+        """Every base model served, with its adapters; the default (the one `facts`
+        and `tokenizer` describe, and requests without `model` run on) first."""
+        ...
 
     def generate(self, req: GenerationRequest) -> AsyncIterator[Delta]:
         """The request's deltas, the last one finished. Failures raise a
@@ -63,6 +69,10 @@ class ColocatedBackend:
 
     def adapter_paths(self) -> dict[str, str]:
         return self.engine.adapter_paths()
+
+    def served_models(self) -> list[ServedModel]:
+        return [ServedModel(self.engine.facts, self.engine.tokenizer,
+                            self.engine.adapter_paths())]
 
     async def load_adapter(self, name: str, path: str) -> None:
         if not await self.engine.add_adapter(name, path):

@@ -33,6 +33,7 @@ from starlette.types import Receive, Scope, Send
 
 from pdserve.v1 import generate_pb2 as pb
 from services.api.backend import Backend
+from services.api.models import ServedModel
 from services.api.openai_answer import Answer
 from services.api.openai_schema import (
     ChatCompletionRequest,
@@ -43,7 +44,7 @@ from services.api.openai_schema import (
     openai_error,
     tool_plan,
 )
-from services.api.prepare import limits_of, prepare
+from services.api.prepare import prepare
 from services.api.servicer import lora_loaded, lora_unloaded
 from services.errors import (
     Aborted,
@@ -201,7 +202,6 @@ class OpenAIFront:
 
     def __init__(self, backend: Backend, tool_parser: str | None = None) -> None:
         self.backend = backend
-        self.limits = limits_of(backend.facts)
         self.created = int(time.time())
         self.tool_parser = tool_parser  # `tool_choice: auto`'s parser; None: auto is off
 
@@ -216,20 +216,20 @@ class OpenAIFront:
                 public = chat_request(body, request_id, tools)
             else:
                 public = completion_request(body, request_id)
-            req = prepare(public, self.limits, self.backend.tokenizer, request_timeout(request),
-                          client_id(request.headers.get("x-client-id", "")),
-                          adapters=self.backend.adapter_paths())
+            req, served = prepare(public, self.backend.served_models(),
+                                  request_timeout(request),
+                                  client_id(request.headers.get("x-client-id", "")))
             if tracing.enabled():  # the client's traceparent header: its trace continues
                 req = replace(req, trace_headers=tracing.carried(request.headers.items()))
         except PdserveError as e:
             return error_response(e, chat, body.structured_param)
         answer = Answer(chat=chat, request_id=request_id,
-                        model=req.lora or self.limits.served_model,
+                        model=served.name,
                         started=started, prompt_tokens=len(req.prompt_token_ids),
-                        tokenizer=self.backend.tokenizer, n=req.sampling.n,
+                        tokenizer=served.model.tokenizer, n=req.sampling.n,
                         top_logprobs=public.sampling.logprobs
                         if public.sampling.HasField("logprobs") else None, tools=tools,
-                        echo=self._echo(body, public, req))
+                        echo=self._echo(body, public, req, served.model))
         deltas = deltas_of(self.backend, req)
         headers = {"X-Request-Id": request_id}
         if body.stream:
@@ -246,22 +246,26 @@ class OpenAIFront:
         return JSONResponse(answer.response(), headers=headers)
 
     def _echo(self, body: CompletionRequest | ChatCompletionRequest,
-              public: pb.GenerateRequest, req: GenerationRequest) -> str:
+              public: pb.GenerateRequest, req: GenerationRequest, model: ServedModel) -> str:
         """Completions' `echo`: the prompt as sent, or its token ids' text."""
         if not isinstance(body, CompletionRequest) or not body.echo:
             return ""
         if public.WhichOneof("input") == "text":
             return public.text
-        return str(self.backend.tokenizer.decode(req.prompt_token_ids))
+        return str(model.tokenizer.decode(req.prompt_token_ids))
 
     def models(self) -> dict[str, Any]:
-        base = self.limits.served_model
-        # LoRA adapters as vLLM lists them: root = their folder, parent = the base model.
-        return {"object": "list", "data": [{
-            "id": name, "object": "model", "created": self.created, "owned_by": "pdserve",
-            "root": root, "parent": parent, "max_model_len": self.limits.max_model_len,
-        } for name, root, parent in [(base, base, None), *(
-            (name, path, base) for name, path in self.backend.adapter_paths().items())]]}
+        # Every base model, the default first, each followed by its LoRA adapters as vLLM
+        # lists them: root = their folder, parent = the base model.
+        data = []
+        for m in self.backend.served_models():
+            base, max_len = m.name, m.facts.max_model_len
+            data += [{"id": name, "object": "model", "created": self.created,
+                      "owned_by": "pdserve", "root": root, "parent": parent,
+                      "max_model_len": max_len}
+                     for name, root, parent in [(base, base, None), *(
+                         (name, path, base) for name, path in m.adapters.items())]]
+        return {"object": "list", "data": data}
 
     async def load_adapter(self, body: LoadLoraAdapterBody) -> Response:
         """POST /v1/load_lora_adapter, as vLLM: 200 with its text, or an error body."""

@@ -18,7 +18,8 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import generate_pb2_grpc as pb_grpc
 from services import wire
 from services.api.backend import Backend
-from services.api.prepare import limits_of, prepare
+from services.api.models import ServedModel
+from services.api.prepare import prepare
 from services.errors import Aborted, InvalidRequest
 from services.observability import tracing
 from services.security.apikeys import client_id
@@ -41,7 +42,6 @@ def parse_request(data: bytes) -> pb.GenerateRequest | InvalidRequest:
 class GenerationServicer(pb_grpc.GenerationServiceServicer):
     def __init__(self, backend: Backend) -> None:
         self.backend = backend
-        self.limits = limits_of(backend.facts)
 
     async def Generate(
         self, request: pb.GenerateRequest | InvalidRequest, context: grpc.aio.ServicerContext
@@ -50,9 +50,8 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
         if isinstance(request, InvalidRequest):
             raise request
         metadata = dict(context.invocation_metadata() or ())
-        req = prepare(request, self.limits, self.backend.tokenizer, context.time_remaining(),
-                      client_id(str(metadata.get("x-client-id", ""))),
-                      adapters=self.backend.adapter_paths())
+        req, _ = prepare(request, self.backend.served_models(), context.time_remaining(),
+                         client_id(str(metadata.get("x-client-id", ""))))
         if tracing.enabled():  # the client's traceparent: its trace continues here
             req = replace(req, trace_headers=tracing.carried(metadata.items()))
         completion_tokens = 0
@@ -79,21 +78,24 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
     async def GetModelInfo(
         self, request: pb.GetModelInfoRequest, context: grpc.aio.ServicerContext
     ) -> pb.GetModelInfoResponse:
-        f = self.backend.facts
+        models = [model_info(m) for m in self.backend.served_models()]
+        default = models[0] if models else pb.ModelInfo()
+        # The one-model fields describe the default model, as before there were several;
+        # `lora_adapters` lists every adapter, each naming its base model.
         info = pb.GetModelInfoResponse(
-            model=f.name,
-            max_model_len=f.max_model_len,
-            vocab_size=f.vocab_size,
-            eos_token_ids=list(f.eos_token_ids),
-            has_chat_template=f.has_chat_template,
-            tokenizer=f.tokenizer_class,
-            dtype=f.dtype,
+            model=default.model,
+            max_model_len=default.max_model_len,
+            vocab_size=default.vocab_size,
+            eos_token_ids=list(default.eos_token_ids),
+            has_chat_template=default.has_chat_template,
+            tokenizer=default.tokenizer,
+            dtype=default.dtype,
             serving_mode=self.backend.mode,
-            lora_adapters=[pb.LoraAdapter(name=name, parent=f.name, path=path)
-                           for name, path in self.backend.adapter_paths().items()],
+            lora_adapters=[a for m in models for a in m.lora_adapters],
+            models=models,
         )
-        if f.bos_token_id is not None:
-            info.bos_token_id = f.bos_token_id
+        if default.HasField("bos_token_id"):
+            info.bos_token_id = default.bos_token_id
         return info
 
     async def LoadLoraAdapter(self, request: pb.LoadLoraAdapterRequest,
@@ -107,6 +109,19 @@ class GenerationServicer(pb_grpc.GenerationServiceServicer):
                                 ) -> pb.UnloadLoraAdapterResponse:
         await self.backend.unload_adapter(request.lora_name)
         return pb.UnloadLoraAdapterResponse(message=lora_unloaded(request.lora_name))
+
+
+def model_info(m: ServedModel) -> pb.ModelInfo:
+    f = m.facts
+    info = pb.ModelInfo(
+        model=f.name, max_model_len=f.max_model_len, vocab_size=f.vocab_size,
+        eos_token_ids=list(f.eos_token_ids), has_chat_template=f.has_chat_template,
+        tokenizer=f.tokenizer_class, dtype=f.dtype,
+        lora_adapters=[pb.LoraAdapter(name=name, parent=f.name, path=path)
+                       for name, path in m.adapters.items()])
+    if f.bos_token_id is not None:
+        info.bos_token_id = f.bos_token_id
+    return info
 
 
 # vLLM's answers to its load and unload endpoints, word for word.

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from services.engine.config import EngineConfig, split_cores
-from services.launcher.settings import LOOPBACK, LauncherConfig, Stack, role_engine, role_tp
+from services.launcher.models import Pool, default_folder, default_served_name
+from services.launcher.settings import LOOPBACK, LauncherConfig, Stack, role_engine
 from services.observability.logs import quiet_env
 from services.router.config import RouterConfig
 from services.security.stack import StackCertificates
@@ -145,14 +146,19 @@ class ActorSpecs:
         return not self.stack.launcher.ray_address
 
     def spec(self, role: str, index: int) -> ActorSpec:
-        """The actor `index` of `role` (prefill, decode or router)."""
-        ranks = role_tp(self.stack.launcher, self.stack.engine, role) if role in ROLES else 1
-        options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}", ranks)
+        """The actor `index` of `role`: the router, or a worker pool (prefill, decode,
+        or another model's `m{k}-prefill`, `m{k}-decode`: `Pool`)."""
+        if role == "router":
+            options = RayOptions.of(self.stack.launcher, role, f"{role}-{index}")
+            args: WorkerArgs | RouterArgs = self.router(index)
+        else:
+            args = self.worker(role, index)
+            pool = Pool.parse(role)
+            options = RayOptions.of(self.stack.launcher, pool.role, f"{role}-{index}",
+                                    args.engine.tensor_parallel_size)
         # How the actor and its engine processes log (services/observability/logs.py).
         options = replace(options, env=tuple(quiet_env(self.stack.log_level).items()))
-        if role == "router":
-            return ActorSpec(options, self.router(index))
-        return ActorSpec(options, self.worker(role, index))
+        return ActorSpec(options, args)
 
     def _server(self, role: str, first: bool) -> ServerConfig:
         s = self.stack
@@ -169,17 +175,34 @@ class ActorSpecs:
         return server
 
     def router(self, index: int) -> RouterArgs:
-        router = self.stack.router.model_copy(update={"redis_url": self.redis_url})
+        s = self.stack
+        update = {"redis_url": self.redis_url,
+                  # The tokenizer of the model the workers serve, unless told another.
+                  "router_model": s.router.router_model or s.engine.model}
+        if s.launcher.models:
+            # Every model by name with its tokenizer's folder, the default first.
+            folders = [(default_served_name(s.engine), str(default_folder(s.engine))),
+                       *((m.served_name, m.model) for m in s.launcher.models)]
+            update["router_models"] = ",".join(f"{n}={f}" for n, f in folders)
+        router = s.router.model_copy(update=update)
         return RouterArgs(self._server("router", first=index == 0), router, self.secret)
 
     def worker(self, role: str, index: int) -> WorkerArgs:
+        """Worker `index` of the pool `role` (`Pool`)."""
         lc = self.stack.launcher
+        pool = Pool.parse(role)
         cores = dict(zip(ROLES, split_cores(lc.prefill_cores, lc.decode_cores),
-                         strict=True))[role]
-        engine = role_engine(lc, self.stack.engine, role, cores)
+                         strict=True))[pool.role]
+        if pool.model == 0:
+            engine = role_engine(lc, self.stack.engine, pool.role, cores)
+        else:
+            entry = lc.models[pool.model - 1]
+            engine = role_engine(lc, entry.engine(self.stack.engine), pool.role, cores)
+            if entry.tp:  # the model's own size wins over the stack's per-role one
+                engine = engine.model_copy(update={"tensor_parallel_size": entry.tp})
         update: dict[str, Any] = {"redis_url": self.redis_url, "worker_id": f"{role}-{index}"}
         if self.local_cluster:
             update["kv_host"] = LOOPBACK
         worker = self.stack.worker.model_copy(update=update)
-        return WorkerArgs(role, self._server(role, first=False), engine, worker,
+        return WorkerArgs(pool.role, self._server(pool.role, first=False), engine, worker,
                           advertise_node_ip=not self.local_cluster, secret=self.secret)

@@ -11,6 +11,7 @@ from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from services.engine.config import EngineConfig, cpu_only, with_step_bounds
+from services.launcher.models import ModelPool
 from services.registry.config import ClusterStateConfig
 from services.router.config import RouterConfig
 from services.server.settings import ServerConfig
@@ -28,6 +29,12 @@ class LauncherConfig(BaseSettings):
 
     prefill: int = Field(1, ge=0, description="prefill workers")
     decode: int = Field(1, ge=1, description="decode workers")
+    models: list[ModelPool] = Field(
+        default_factory=list, description="more models the stack serves beside its own "
+        "(--model, --prefill, --decode: the default model), each with its own prefill and "
+        "decode pools; flag: --add-model model=FOLDER[,name=NAME][,prefill=N][,decode=N]"
+        "[,max_model_len=N][,kv_cache_gib=N][,tp=N], repeatable; file: a list of such "
+        "mappings (docs/getting-started.md, \"Several models in one stack\")")
     routers: int = Field(1, ge=1, description="router replicas (the first on --port, the "
                          "others on free ports)")
     ray_address: str = Field("", description="Ray cluster to join (e.g. ray://head:10001 or "

@@ -103,7 +103,8 @@ class Supervisor:
                 spec = self.spec(role, i)
                 options, group = ray_options(spec.options)
                 handle = self.remote.options(**options).remote(spec.args)
-                self.actors[name] = Tracked(handle, role, group=group)
+                # Counted by its role (prefill, decode, router), whatever model it serves.
+                self.actors[name] = Tracked(handle, spec.options.role, group=group)
         extra = sorted((n for n in self.actors if n.startswith(f"{role}-")
                         and int(n.rsplit("-", 1)[1]) >= count), reverse=True)
         for name in extra:

@@ -35,6 +35,7 @@ from services.kv.tp_layout import LayoutRefused, kv_workers_tp_problem
 from services.launcher.actor_spec import ROLES, ActorSpecs
 from services.launcher.credentials import cluster_secret, stack_certificates
 from services.launcher.desired import Desired, DesiredState
+from services.launcher.models import check_models, default_served_name, extra_pools
 from services.launcher.placement import stack_warning
 from services.launcher.planning import live_planner, run_planner
 from services.launcher.ray_cluster import start_ray
@@ -74,9 +75,22 @@ async def _forget(state: DesiredState) -> None:
 
 
 def _warn_if_cores_shared(stack: Stack, prefill: int, decode: int) -> None:
-    warning = stack_warning(stack, prefill, decode)
+    """`prefill` and `decode`: the default model's pools; other models' add theirs."""
+    extra = {role: sum(m.decode if role == "decode" else m.prefill
+                       for m in stack.launcher.models) for role in ROLES}
+    warning = stack_warning(stack, prefill + extra["prefill"], decode + extra["decode"])
     if warning:
         log.warning("%s", warning)
+
+
+def served(stack: Stack, desired: Desired) -> str:
+    """The pools, as the ready line tells them."""
+    pools = f"{desired.prefill} prefill, {desired.decode} decode workers"
+    if not stack.launcher.models:
+        return pools
+    return "; ".join([f"{default_served_name(stack.engine)}: {pools}", *(
+        f"{m.served_name}: {m.prefill} prefill, {m.decode} decode workers"
+        for m in stack.launcher.models)])
 
 
 async def run_up(stack: Stack) -> None:
@@ -91,6 +105,13 @@ async def run_up(stack: Stack) -> None:
                                     role_tp(lc, stack.engine, "decode"))
     if problem:
         raise LayoutRefused(problem)
+    check_models(stack.engine, lc.models, planner=planner is not None)
+    for entry in lc.models:  # each model's pools move KV between themselves only
+        engine = entry.engine(stack.engine)
+        if problem := kv_workers_tp_problem(entry.tp or role_tp(lc, engine, "prefill"),
+                                            entry.tp or role_tp(lc, engine, "decode")):
+            raise LayoutRefused(f"{entry.served_name}: {problem}")
+    pools = extra_pools(lc.models)  # the other models' pools keep these sizes
     if lc.state_file:
         os.environ[STATE_FILE_ENV] = lc.state_file
     stop = asyncio.Event()
@@ -150,6 +171,8 @@ async def run_up(stack: Stack) -> None:
         _warn_if_cores_shared(stack, desired.prefill, desired.decode)
         for role in ROLES:
             supervisor.ensure(role, getattr(desired, role))
+        for pool, size in pools:
+            supervisor.ensure(pool.key, size)
         supervisor.ensure("router", lc.routers)
         ready = asyncio.ensure_future(supervisor.wait_ready(lc.actor_start_timeout_s))
         stopping = asyncio.ensure_future(stop.wait())
@@ -160,9 +183,8 @@ async def run_up(stack: Stack) -> None:
         stopping.cancel()
         router = ready.result()["router-0"]
         print(f"ready in {time.monotonic() - started:.0f} s: pdserve is up, router on "
-              f"{stack.server.host}:{router['port']} ({desired.prefill} prefill, "
-              f"{desired.decode} decode workers; Redis {redact_url(redis_url)}; state in "
-              f"{state_file})", flush=True)
+              f"{stack.server.host}:{router['port']} ({served(stack, desired)}; Redis "
+              f"{redact_url(redis_url)}; state in {state_file})", flush=True)
         probing = asyncio.create_task(supervisor.watch())
         cleanup.callback(probing.cancel)
         if planner is not None:
@@ -182,4 +204,6 @@ async def run_up(stack: Stack) -> None:
                 _warn_if_cores_shared(stack, *sizes)
             for role in ROLES:
                 supervisor.ensure(role, getattr(want, role))
+            for pool, size in pools:
+                supervisor.ensure(pool.key, size)
             supervisor.ensure("router", lc.routers)

@@ -148,6 +148,7 @@ class Row:
     migrations: int | None = None  # streams moved off this worker (from router metrics)
     tp: int = 1  # tensor-parallel size, as registered
     kv_events: bool = False  # publishes its KV cache events (the precise prefix index)
+    model: str = ""  # the served model's name, as registered
 
 
 @dataclass
@@ -205,6 +206,7 @@ def make_row(
         c is not None,
         tp=r.tp,
         kv_events=r.kv_events,
+        model=r.model,
     )
     row.prompt_tokens_per_s = _rate(now, before, "prompt_tokens")
     row.generation_tokens_per_s = _rate(now, before, "generation_tokens")

@@ -28,7 +28,7 @@ from services.security.redaction import redact_url
 
 DESCRIPTION = (
     "A live view of a running stack, refreshed every --interval seconds: per worker "
-    "its role, host, metrics address, when it (re)started, queue, running "
+    "its role, model, host, metrics address, when it (re)started, queue, running "
     "requests, KV cache use (from "
     "its record in Redis), prompt and generated tokens/s, KV GB/s received, "
     "errors (failed KV transfers, requests vLLM ended with an error) and "
@@ -42,6 +42,7 @@ DESCRIPTION = (
 COLUMNS = (
     "worker",
     "role",
+    "model",
     "TP",
     "host",
     "metrics",
@@ -57,7 +58,7 @@ COLUMNS = (
     "migrations",
     "heartbeat",
 )
-LEFT = ("worker", "role", "host", "metrics")
+LEFT = ("worker", "role", "model", "host", "metrics")
 
 
 def _num(value: float | int | None, digits: int = 0) -> str:
@@ -89,6 +90,7 @@ def cells(row: Row) -> list[str]:
     return [
         row.worker_id,
         row.role,
+        row.model or "-",
         str(row.tp),
         row.host,
         row.metrics_address or "-",

@@ -19,6 +19,12 @@ class RouterConfig(BaseSettings):
                            "redis://host:6379/0 (required for the router and pool workers)")
     router_model: str = Field("", description="router: model folder for the tokenizer and chat "
                               "template; empty = the prepared default model")
+    router_models: str = Field(
+        "", description="router: every model the router serves, as NAME=FOLDER (the name "
+        "its workers register, the folder of its tokenizer and chat template), several "
+        "separated by commas; the first is the default model (requests without `model`). "
+        "Empty: one model, router_model's, under the name its workers register. `pdserve "
+        "up` sets it from its models")
     policy: Literal["load", "round_robin"] = Field(
         "load", description="router: pair choice: load (queued prompt tokens, KV usage, prefix "
         "cache, transfer cost) or round_robin (baseline)")
@@ -64,3 +70,21 @@ class RouterConfig(BaseSettings):
         15.0, gt=0, description="router: TTL of a per-client slot in Redis, renewed every "
         "third of it while its request runs; a crashed router's slots come back after it",
         json_schema_extra=ADVANCED)
+
+
+def model_folders(spec: str) -> list[tuple[str, str]]:
+    """`router_models` as (name, folder) pairs, in order; ValueError naming a bad entry."""
+    out: list[tuple[str, str]] = []
+    for entry in spec.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, sep, folder = entry.partition("=")
+        name, folder = name.strip(), folder.strip()
+        if not sep or not name or not folder:
+            raise ValueError(f"router_models: {entry!r} is not NAME=FOLDER (for example "
+                             "--router-models smol=/models/smol,llama=/models/llama)")
+        if any(n == name for n, _ in out):
+            raise ValueError(f"router_models: the model name {name!r} is given twice")
+        out.append((name, folder))
+    return out

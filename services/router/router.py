@@ -26,6 +26,7 @@ from prometheus_client import Counter, Gauge
 
 from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
+from services.api.models import ServedModel
 from services.engine.engine import ModelFacts
 from services.engine.lora import check_name
 from services.errors import (
@@ -41,9 +42,9 @@ from services.errors import (
 from services.messages import Delta, GenerationRequest
 from services.registry.leases import Lease
 from services.registry.records import WorkerRecord
+from services.router.catalog import Catalog
 from services.router.config import RouterConfig
 from services.router.events import RequestEvents, request_events
-from services.router.facts import model_facts
 from services.router.kv_index import KVEventFeeds, KVIndex
 from services.router.orchestrator import Peer, run_pair
 from services.router.policies import (
@@ -99,12 +100,16 @@ class RouterBackend:
 
     def __init__(self, config: RouterConfig, view: WorkerView,
                  tokenizer: PreTrainedTokenizerBase, model_path: str, fault: str = "", *,
-                 tls: TLSFiles | None = None) -> None:
+                 tls: TLSFiles | None = None,
+                 models: Sequence[tuple[str, PreTrainedTokenizerBase, str]] = ()) -> None:
+        """`tokenizer` and `model_path` are the one model's, served under the name its
+        workers register; or `models` lists every model served, as (name, tokenizer,
+        folder), the default first, and the router routes each request among the
+        workers of the model it names."""
         self.config = config
         self.tls = tls  # the internal mTLS identity workers are dialled with (None: plaintext)
         self.view = view
-        self._tokenizer = tokenizer
-        self._model_path = model_path
+        self.models = Catalog(models) if models else Catalog.one(tokenizer, model_path)
         self.policy: Policy = make_policy(config.policy, config.local_prefill_max_tokens,
                                           config.transfer_token_weight)
         self.local = LocalLoad()
@@ -115,7 +120,6 @@ class RouterBackend:
         self._unpaired: list[str] = []
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._peers: dict[tuple[str, str], Peer] = {}  # (worker id, address) -> its calls
-        self._facts: ModelFacts | None = None
         self._refresher: asyncio.Task[None] | None = None
         # Workers that just failed a call: skipped for a pause, then until they answer a
         # health probe (`_recheck_forever`), leave the view, or finish a request.
@@ -137,10 +141,13 @@ class RouterBackend:
                 await self.refresh()
             except Exception as e:  # Redis not up yet: keep waiting
                 log.debug("worker view not readable yet: %s", e)
-            if any(w.role == "decode" for w in self._view):
+            waiting = self.models.without_decode(self._view)
+            if not waiting:
                 break
             if time.monotonic() > deadline:
-                raise TimeoutError("no decode worker registered in Redis")
+                raise TimeoutError("no decode worker registered in Redis"
+                                   + (f" for model {', '.join(map(repr, waiting))}"
+                                      if waiting != [""] else ""))
             await asyncio.sleep(self.config.refresh_s)
         self._refresher = asyncio.create_task(self._refresh_forever())
         self._rechecker = asyncio.create_task(self._recheck_forever())
@@ -159,15 +166,15 @@ class RouterBackend:
         self.adapters.prune(view)
         self.kv_feeds.sync(view)
         self._set_index_mode()
-        if (problems := unpaired(view)) != self._unpaired:  # once per change, not per refresh
+        self.models.learn(view)
+        # Per model: a decode worker is unpaired only when no prefill worker of its own
+        # model can feed it (another model's never could).
+        problems = [line for m in self.models.facts
+                    for line in unpaired(self.models.pool(view, m))]
+        if problems != self._unpaired:  # once per change, not per refresh
             self._unpaired = problems
             for line in problems:
                 log.warning("%s", line)
-        decode = next((w for w in self._view if w.role == "decode"), None)
-        if decode is not None and self._facts is None:
-            self._facts = model_facts(self._tokenizer, self._model_path,
-                                      decode.model, decode.max_model_len, decode.vocab_size,
-                                      decode.dtype)
 
     def _set_index_mode(self) -> None:
         tracked = [self.kv_index.tracking(w.worker_id) for w in self._view]
@@ -236,12 +243,25 @@ class RouterBackend:
 
     @property
     def facts(self) -> ModelFacts:
-        assert self._facts is not None, "start() first"
-        return self._facts
+        """The default model's."""
+        assert self.models.facts, "start() first"
+        return self.models.facts[self.models.default]
 
     @property
     def tokenizer(self) -> PreTrainedTokenizerBase:
-        return self._tokenizer
+        """The default model's."""
+        return self.models.tokenizer(self.models.default)
+
+    def served_models(self) -> list[ServedModel]:
+        """Each model some worker of registered, the default first, with the adapters its
+        workers hold."""
+        return [ServedModel(self.models.facts[m], self.models.tokenizer(m),
+                            self._adapters_of(m))
+                for m in self.models.sources if m in self.models.facts]
+
+    def _pool(self, key: str) -> list[WorkerRecord]:
+        """The workers of the model under `key` (`Catalog.key`), in rotation or not."""
+        return self.models.pool(self._view, key)
 
     # -- requests ---------------------------------------------------------------------
     def _reject(self, events: RequestEvents, reason: str, message: str) -> Overloaded:
@@ -249,8 +269,11 @@ class RouterBackend:
         events.rejected(reason, error.message)
         return error
 
-    def _live(self, role: str) -> list[WorkerRecord]:
-        return [w for w in self._view if w.role == role and w.worker_id not in self._suspects]
+    def _live(self, role: str, model: str = "") -> list[WorkerRecord]:
+        """The workers of `role` in rotation that serve `model` ("" = the default): pairs
+        are chosen among one model's workers only, never across models."""
+        return [w for w in self._pool(self.models.key(model))
+                if w.role == role and w.worker_id not in self._suspects]
 
     def _suspect(self, worker_id: str) -> None:
         """Take a worker out of rotation at once: it refused a connection, broke a stream
@@ -263,9 +286,17 @@ class RouterBackend:
 
     # -- LoRA adapters ----------------------------------------------------------------
     def adapter_paths(self) -> dict[str, str]:
-        """The adapters some live worker holds: name -> folder."""
+        """The adapters some live worker holds, of any model: name -> folder."""
         out: dict[str, str] = {}
-        for w in self._view:
+        for m in self.models.facts:
+            for name, path in self._adapters_of(m).items():
+                out.setdefault(name, path)
+        return dict(sorted(out.items()))
+
+    def _adapters_of(self, model: str) -> dict[str, str]:
+        """The adapters some live worker of `model` holds: name -> folder."""
+        out: dict[str, str] = {}
+        for w in self._pool(model):
             for name, path in self.adapters.held(w).items():
                 out.setdefault(name, path)
         return dict(sorted(out.items()))
@@ -302,16 +333,20 @@ class RouterBackend:
             raise failure
 
     async def load_adapter(self, name: str, path: str) -> None:
-        """Load an adapter on every worker in rotation (a request may pair any two), or
-        on none: a folder one worker refuses is unloaded from those that took it."""
+        """Load an adapter on every worker of the default model in rotation (a request
+        may pair any two), or on none: a folder one worker refuses is unloaded from those
+        that took it."""
         check_name(name)
-        if self._facts is not None and name == self._facts.name:
-            raise InvalidRequest(f"lora_name: {name!r} is the base model's name; give the "
-                                 "adapter another")
+        if name in {f.name for f in self.models.facts.values()}:
+            raise InvalidRequest(f"lora_name: {name!r} is a served base model's name; give "
+                                 "the adapter another")
         if name in self.adapter_paths():
             raise InvalidRequest(f"lora_name: the LoRA adapter {name!r} is already loaded; "
                                  "unload it first to load it from another folder")
-        workers = [w for w in self._view if w.worker_id not in self._suspects]
+        # Adapters loaded at run time apply to the default model (vLLM's load call names
+        # no base model).
+        workers = [w for w in self._pool(self.models.default)
+                   if w.worker_id not in self._suspects]
         if not workers:
             raise Unavailable("no worker is registered that could load the adapter")
         try:
@@ -344,19 +379,22 @@ class RouterBackend:
 
     async def _choose(self, req: GenerationRequest, hashes: list[str],
                       events: RequestEvents) -> Choice:
-        prefills, decodes = self._live("prefill"), self._live("decode")
+        model = self.models.served(req.model)
+        prefills, decodes = self._live("prefill", model), self._live("decode", model)
         if not decodes:
             # The view is up to refresh_s old: a decode worker that just (re)started may
             # already be registered. One Redis read is cheap next to failing the request.
             with contextlib.suppress(Exception):
                 await self.refresh()
-            prefills, decodes = self._live("prefill"), self._live("decode")
+            prefills, decodes = self._live("prefill", model), self._live("decode", model)
         if not decodes and prefills:
             # No decode worker can serve: a prefill worker runs whole requests (it is a
             # full engine), so the stack degrades instead of refusing.
             decodes, prefills = prefills, []
         if not decodes:
-            raise Unavailable("no worker is registered that can serve the request")
+            which = f" of model {model!r}" if self.models.several else ""
+            raise Unavailable(f"no worker{which} is registered that can serve the request; "
+                              "retry shortly (workers may be restarting)")
         route = await self._route_input(req, prefills, decodes, hashes)
         if req.lora:
             choice = await self._choose_with_adapter(req, prefills, decodes, route, events)
@@ -399,7 +437,7 @@ class RouterBackend:
                                    prefills: list[WorkerRecord], decodes: list[WorkerRecord],
                                    route: RouteInput, events: RequestEvents) -> Choice:
         """A pair that holds the request's adapter, loading it where it is missing."""
-        path = self.adapter_paths().get(req.lora)
+        path = self._adapters_of(self.models.key(req.model)).get(req.lora)
         if path is None:
             raise ModelNotFound(f"model: {req.lora!r} is not served here (no worker holds "
                                 "that LoRA adapter); GET /v1/models lists what is")
@@ -443,7 +481,8 @@ class RouterBackend:
         (up to `migration_limit` times): it continues from the prompt plus every token
         the client already has, with the budget that is left, so the client sees one
         unbroken stream. Greedy output is the same as without the failure."""
-        events = request_events(req, self._facts.name if self._facts else "")
+        facts = self.models.facts.get(self.models.key(req.model))
+        events = request_events(req, facts.name if facts else "")
         lease = await self._admit(req, events)
         self.inflight += 1
         events.admitted(self.inflight)
@@ -495,7 +534,8 @@ class RouterBackend:
         the answer is complete, so it is finished here rather than continued."""
         if leg.max_tokens <= 0:
             return Delta([], "", finished=True, finish_reason="length")
-        eos = self._facts.eos_token_ids if self._facts is not None else ()
+        facts = self.models.facts.get(self.models.key(leg.model))
+        eos = facts.eos_token_ids if facts is not None else ()
         if (streamed and not leg.sampling.ignore_eos and streamed[-1] in eos
                 and leg.sampling.min_tokens == 0):
             return Delta([], "", finished=True, finish_reason="stop")

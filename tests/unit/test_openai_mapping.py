@@ -12,6 +12,7 @@ import grpc
 import httpx
 import pytest
 
+from services.api.models import ServedModel
 from services.api.openai_http import create_app
 from services.api.openai_schema import (
     ChatCompletionRequest,
@@ -76,6 +77,9 @@ class ScriptedBackend:
 
     def adapter_paths(self) -> dict[str, str]:
         return {}  # no LoRA adapters
+
+    def served_models(self) -> list[ServedModel]:
+        return [ServedModel(self.facts, self.tokenizer)]  # type: ignore[arg-type]
 
 
 def _answer(logprobs: bool = False) -> list[Delta | PdserveError]:

@@ -71,7 +71,7 @@ class GenerationServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def GetModelInfo(self, request, context):
-        """GetModelInfo describes the served model and its tokenizer.
+        """GetModelInfo describes the served models and their tokenizers.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,8 +81,8 @@ class GenerationServiceServicer:
         """LoadLoraAdapter loads a LoRA adapter (a PEFT folder on the server) under a name that
         requests then give as `model`; as vLLM's POST /v1/load_lora_adapter. INVALID_ARGUMENT
         names what is wrong with the folder, or that the name is taken; the server goes on
-        serving. Disaggregated: every worker loads it (prefill and decode of one request run
-        under the same adapter).
+        serving. Disaggregated: every worker of the default model loads it (prefill and decode
+        of one request run under the same adapter).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
