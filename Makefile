@@ -12,7 +12,7 @@ TORCH_INDEX ?=
 PROMPT ?= What is the capital of France?
 PROTOS := $(wildcard proto/pdserve/v1/*.proto)
 
-.PHONY: help setup system-deps proto model run test test-slow test-netns test-unit gpu-check images test-containers lint clean
+.PHONY: help setup system-deps proto model run test test-slow test-netns netns-deps chaos-net test-unit gpu-check images test-containers lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -65,8 +65,30 @@ test-slow: setup  ## the slow modules: whole `pdserve up` stacks, TP engines, do
 # Each service in a network namespace of its own on a bridge, bound to its host's address
 # (tests/netns): parity across the links, and a partition. Needs root and iproute2; the
 # modules are also `slow`, so `make test-slow` runs them too.
-test-netns: setup  ## services on hosts of their own (network namespaces; root): parity, a partition
+test-netns: setup netns-deps  ## services on hosts of their own (network namespaces; root): parity, partitions, network faults
 	$(PY) -m pytest tests/netns -m netns --durations=15
+
+# What network faults need beyond iproute2: iptables (cuts between two hosts, loss) and,
+# for latency where the kernel has no netem qdisc, an NFQUEUE delayer built on
+# libnetfilter_queue (Debian's package, then the NetfilterQueue binding in the venv, which
+# pip compiles: a C compiler too).
+netns-deps: $(VENV)/.installed  ## iptables and the latency fault's NFQUEUE binding (Debian packages, pip)
+	@missing=""; \
+	command -v iptables >/dev/null 2>&1 || missing="$$missing iptables"; \
+	[ -e /usr/include/libnetfilter_queue/libnetfilter_queue.h ] || missing="$$missing libnetfilter-queue-dev"; \
+	command -v cc >/dev/null 2>&1 || missing="$$missing gcc"; \
+	if [ -n "$$missing" ]; then \
+	  echo "installing$$missing (Debian packages)"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$SUDO apt-get install -y -qq $$missing >/dev/null; \
+	fi
+	@$(PY) -c "import netfilterqueue" 2>/dev/null || $(PIP) install -q NetfilterQueue
+
+# The chaos benchmark's network faults (benchmarks/chaos.py --net; root): the netns stack
+# under a steady load while links are cut, lossy and slow and a worker is partitioned,
+# every answer checked against vLLM's offline engine. Slow (minutes), not in `make test`.
+chaos-net: setup netns-deps  ## network chaos run (root): cuts, loss and latency bursts, a partition; JSON and plot
+	$(PY) benchmarks/chaos.py --net --out bench-results/net-chaos --plot docs/benchmarks/net-chaos.png
 
 test-unit: $(VENV)/.installed  ## fast tests of pure logic only
 	$(PY) -m pytest tests/unit

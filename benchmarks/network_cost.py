@@ -2,14 +2,15 @@
 transfer is exposed (not hidden behind the prefill's compute), over rate-limited links,
 with layer-wise shipping on and off.
 
-The stack runs on the network-namespace harness of tests/netns: Redis, the router, a
-prefill worker (core 0) and a decode worker (core 1), each on a host of its own on a
-bridge, with a deployment's credentials. Every host's link is limited to each rate in turn
-(tbf; a delay too where the kernel has netem). Requests go one at a time, each with a
-fresh prompt (no prefix cache hits, the whole KV crosses), at about 1k tokens and at the
-longest prompt the served context allows, rates rotating within each round. Then the
-prefill worker is restarted with layer-wise shipping off (`--no-kv-layerwise`: each step's
-layers leave after its forward pass) and the same is measured again.
+The stack runs on the network-namespace hosts of services/bench/netns.py (as tests/netns
+does): Redis, the router, a prefill worker (core 0) and a decode worker (core 1), each
+on a host of its own on a bridge, with a deployment's credentials. Every host's link is
+limited to each rate in turn (tbf; a delay too where the kernel has netem). Requests go
+one at a time, each with a fresh prompt (no prefix cache hits, the whole KV crosses), at
+about 1k tokens and at the longest prompt the served context allows, rates rotating
+within each round. Then the prefill worker is restarted with layer-wise shipping off
+(`--no-kv-layerwise`: each step's layers leave after its forward pass) and the same is
+measured again.
 
 The first token comes from the prefill worker; the transfer's exposed part (first KV byte
 to last, less what overlapped the prefill's compute) is what the decode worker waits
@@ -93,10 +94,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     from tqdm import tqdm
     from transformers import AutoTokenizer
 
+    from services.bench.netns import Fabric, unavailable
+    from services.bench.netns_stack import NetStack
     from services.engine.model import prepare_default_model
     from tests.helpers.prompts import prompt_of_length
-    from tests.netns.harness import Fabric, unavailable
-    from tests.netns.stack import NetStack
 
     reason = unavailable()
     if reason is not None:

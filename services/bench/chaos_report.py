@@ -4,8 +4,11 @@
 Chaos: requests sent, finished, finished token-identical to the undisturbed reference,
 errors by status, the longest gap between two tokens a client saw and the fault it
 followed, the time from each fault to the first token of the first request sent after
-it, migrations. Soak: growth of every resource series between a point in the run and its
-end, and whether KV usage and staged transfers came back to zero after the load.
+it, migrations, and per fault the requests sent while it lasted and how they ended. Each
+stream is clean when it finished token-identical, or ended in one status with only a
+prefix of the undisturbed answer received (nothing lost, nothing duplicated). Soak:
+growth of every resource series between a point in the run and its end, and whether KV
+usage and staged transfers came back to zero after the load.
 """
 
 from __future__ import annotations
@@ -18,7 +21,7 @@ from typing import Any
 import numpy as np
 from matplotlib.figure import Figure
 
-from services.bench.faults import FaultEvent
+from services.bench.faults import KINDS, FaultEvent
 from services.bench.tokens import Tokens
 from services.traffic.record import RequestRecord
 
@@ -64,6 +67,19 @@ def first_served(records: Sequence[RequestRecord], event: FaultEvent) -> dict[st
     return {"request_id": None, "first_token_after_fault_s": None}
 
 
+def during(records: Sequence[RequestRecord], event: FaultEvent,
+           clean: dict[int, bool]) -> dict[str, Any]:
+    """The requests sent while a fault lasted (from its start to the SIGCONT or the
+    link's restore; to whole again for a kill): how many, and how they ended."""
+    end = event.resumed_at or event.recovered_at
+    if not event.at or end is None:
+        return {"sent": 0}
+    sent = [r for r in records if event.at <= r.send_time <= end]
+    return {"sent": len(sent), "finished": sum(r.ok for r in sent),
+            "clean": sum(clean.get(r.index, False) for r in sent),
+            "errors": dict(Counter(r.error_code for r in sent if not r.ok).most_common())}
+
+
 def summarize_chaos(records: Sequence[RequestRecord], tokens: dict[int, Tokens],
                     reference: Sequence[Sequence[int]] | None,
                     events: Sequence[FaultEvent]) -> dict[str, Any]:
@@ -88,6 +104,13 @@ def summarize_chaos(records: Sequence[RequestRecord], tokens: dict[int, Tokens],
             "token_ids": got.ids, "chunk_offsets": rec.chunk_offsets,
             "chunk_tokens": rec.chunk_tokens, "e2e_s": rec.e2e_s})
     gaps = longest_gaps(records, events)
+    # Clean: token-identical, or one status after a prefix of the undisturbed answer.
+    clean: dict[int, bool] = {}
+    for rec in records:
+        ids = tokens.get(rec.index, Tokens()).ids
+        want = list(reference[rec.index]) if reference is not None else None
+        clean[rec.index] = want is not None and (
+            (rec.ok and ids == want) or (not rec.ok and ids == want[:len(ids)]))
     return {
         "sent": len(records), "finished": len(ok), "lost": len(records) - len(ok),
         "finished_identical": identical if reference is not None else None,
@@ -96,7 +119,10 @@ def summarize_chaos(records: Sequence[RequestRecord], tokens: dict[int, Tokens],
         "migrations": sum(p["migrations"] for p in per_request),
         "longest_gap": gaps[0] if gaps else None,
         "longest_gaps": gaps,
-        "faults": [{**e.to_dict(), "first_served": first_served(records, e)} for e in events],
+        "clean": sum(clean.values()) if reference is not None else None,
+        "not_clean": [i for i, ok in clean.items() if reference is not None and not ok],
+        "faults": [{**e.to_dict(), "first_served": first_served(records, e),
+                    "during": during(records, e, clean)} for e in events],
         "not_identical": [{k: p[k] for k in ("index", "request_id", "kind", "migrations",
                                              "first_divergence", "tokens", "ok")}
                           for p in per_request if p["ok"] and not p["identical"]],
@@ -130,14 +156,16 @@ def timeline_plot(records: Sequence[RequestRecord], tokens: dict[int, Tokens],
     top.step(x, tok / bin_s, where="post", label="output tokens/s received")
     bottom.bar(x, done, width=bin_s, align="edge", alpha=0.6, label="finished")
     bottom.bar(x, bad, width=bin_s, align="edge", color="red", label="failed")
-    colors = dict(zip(("kill-decode", "kill-prefill", "kill-redis", "stop-decode",
-                       "stop-prefill"), ("C3", "C1", "C4", "C2", "C5"), strict=True))
+    colors = dict(zip(KINDS, (f"C{k}" for k in (3, 1, 4, 2, 5, 6, 7, 8, 9, 0, 3, 1)),
+                      strict=True))
     for e in events:
         if not e.at:
             continue
         c = colors.get(e.fault.kind, "k")
         for ax in (top, bottom):
             ax.axvline(e.at - t0, color=c, linestyle="--")
+            if e.resumed_at and e.fault.network:  # the fault itself, darker
+                ax.axvspan(e.at - t0, e.resumed_at - t0, color=c, alpha=0.2)
             if e.recovered_at:
                 ax.axvspan(e.at - t0, e.recovered_at - t0, color=c, alpha=0.08)
         top.annotate(e.fault.label(), (e.at - t0, 1.0), xycoords=("data", "axes fraction"),

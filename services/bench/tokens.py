@@ -54,7 +54,8 @@ class TokenTarget(GrpcTarget):
     async def stream(self, spec: RequestSpec, request_id: str) -> AsyncIterator[Event]:
         stub = self._stubs[self._next % len(self._stubs)]
         self._next += 1
-        call = stub.Generate(self._request(spec, request_id), timeout=self.timeout_s)
+        call = stub.Generate(self._request(spec, request_id), timeout=self.timeout_s,
+                             metadata=self.metadata)
         final_seen = False
         try:
             async for response in call:

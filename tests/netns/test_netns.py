@@ -1,6 +1,6 @@
 """pdserve across hosts that are not loopback: every service in a network namespace of its
-own on a bridge (tests/netns/harness.py), bound to its host's address, with the
-credentials of a multi-host deployment (tests/netns/stack.py).
+own on a bridge (services/bench/netns.py), bound to its host's address, with the
+credentials of a multi-host deployment (services/bench/netns_stack.py).
 
 - Every listening socket is on its host's address or that host's own loopback, none on a
   wildcard address; on the host's address only the ports its services advertise (and the
@@ -14,6 +14,9 @@ credentials of a multi-host deployment (tests/netns/stack.py).
   stays staged, in flight or leased past its bound.
 - Two more cuts, compared the same way: prefill from the decode host receiving its KV,
   during the transfer; the router from Redis, mid-stream.
+- A latency burst as the chaos benchmark injects it (its fault plan; every packet a host
+  receives held 100 ms, without netem): streams equal the undisturbed run, a request sent
+  at its start is answered within 5 s, nothing stays held after it.
 """
 
 from __future__ import annotations
@@ -29,13 +32,21 @@ import pytest
 import redis
 
 from services.api.client import build_request
+from services.bench.faults import Fault, FaultPlan
+from services.bench.netns import Fabric
+from services.bench.netns_stack import (
+    GRPC_PORT,
+    KV_PORT,
+    METRICS_PORT,
+    REDIS_PORT,
+    NetFaults,
+    NetStack,
+)
 from services.registry.registry import Registry
 from services.registry.signing import RecordSigner
 from tests.conftest import REFERENCE_MAX_TOKENS
 from tests.helpers.prompts import prompt_of_length
 from tests.netns.conftest import CLIENT_LEASE_S, HOSTS, KV_LEASE_S
-from tests.netns.harness import Fabric
-from tests.netns.stack import GRPC_PORT, KV_PORT, METRICS_PORT, REDIS_PORT, NetStack
 
 pytestmark = [pytest.mark.netns, pytest.mark.slow, pytest.mark.engine]
 
@@ -346,3 +357,66 @@ async def test_router_cut_from_redis(netstack: NetStack, fabric: Fabric,
     # Sent 1 s into the cut: answered within 5 s of the cut's start, with a second for
     # the answer's own tokens.
     assert during_s <= 5.0 + 1.0, f"served {during_s:.1f} s after the cut began"
+
+
+async def test_a_latency_burst_of_the_chaos_run(netstack: NetStack, fabric: Fabric,
+                                                tokenizer, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    # The chaos benchmark's own fault, end to end: its `FaultPlan` injects a latency
+    # burst through `NetFaults` (every packet a host receives held 100 ms, by userspace
+    # delayers, not netem) while streams run; each stream equals the undisturbed run, a
+    # request sent at the burst's start is answered within 5 s, and nothing stays held.
+    n = 40
+    prompts = [prompt_of_length(tokenizer, 200, salt=f"latency burst {k}") for k in range(3)]
+    probe_ids = prompt_of_length(tokenizer, 60, salt="latency burst: the probe")
+    wants = []
+    for ids in prompts:
+        want: list[int] = []
+        assert await _stream(netstack, ids, n, want) == 0
+        wants.append(want)
+
+    async def probe() -> float:
+        got: list[int] = []
+        first = asyncio.Event()
+        task = asyncio.create_task(_stream(netstack, probe_ids, 4, got, first, after=1))
+        await first.wait()
+        at = time.time()
+        code = await task
+        if isinstance(code, grpc.StatusCode) or len(got) != 4:
+            raise RuntimeError(f"the probe ended with {code} after {len(got)} tokens")
+        return at
+
+    async def connect_s() -> float:
+        """A TCP handshake with the router from this machine: its SYN enters the router's
+        host, where the burst holds it."""
+        t = time.perf_counter()
+        _, writer = await asyncio.open_connection(fabric.addr("router"), GRPC_PORT)
+        took = time.perf_counter() - t
+        writer.close()
+        return took
+
+    plan = FaultPlan(netstack, [Fault.parse("latency@1:8:100")], recover_timeout_s=60,
+                     probe=probe, network=NetFaults(fabric, tmp_path))
+    before = await connect_s()
+    faulting = asyncio.create_task(plan.run(time.time()))
+    await asyncio.sleep(2.0)
+    during = await connect_s()
+    results: list[tuple[int, grpc.StatusCode | int, list[int]]] = []
+    while not faulting.done() or not results:
+        k = len(results) % len(prompts)
+        got: list[int] = []
+        results.append((k, await _stream(netstack, prompts[k], n, got), got))
+    [event] = await faulting
+    if "NetfilterQueue" in event.error:
+        pytest.skip(event.error)
+    assert not event.error, event.error
+    assert event.target == "every host's link"
+    assert event.resumed_at is not None and event.resumed_at - event.at >= 8.0
+    assert before < 0.05 and during >= 0.1, (before, during)
+    for k, code, got in results:
+        if isinstance(code, grpc.StatusCode):
+            assert got == wants[k][:len(got)], f"stream {k} ({code}) differs before its end"
+        else:
+            assert got == wants[k], f"stream {k} differs from the undisturbed run"
+    assert event.served_s is not None and event.served_s <= 5.0, event
+    assert event.recovered_at is not None, "a worker did not heartbeat after the burst"
+    await _nothing_left(netstack)

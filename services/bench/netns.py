@@ -1,12 +1,17 @@
-"""Hosts that are not loopback, on one machine: a Linux bridge and one network namespace
-per host, each with its own address on a private subnet, for starting pdserve's services
-as they would run on separate machines.
+"""Hosts that are not loopback, on one machine, and pdserve started on them: a Linux
+bridge and one network namespace per host, each with its own address on a private subnet,
+and the services bound to those addresses with a multi-host deployment's credentials.
+Shared by the network-namespace tests (tests/netns) and the benchmarks that run on the
+same hosts (benchmarks/network_cost.py, benchmarks/chaos.py --net).
 
     fabric = Fabric.create(["redis", "router", "prefill", "decode"])
     fabric.addr("decode")                        # e.g. "10.77.12.5"
     proc = fabric.popen("decode", [...], log)    # runs in that host's namespace
     fabric.shape("decode", delay_ms=1, rate_mbit=1000)
     fabric.cut("decode"); ...; fabric.restore("decode")
+    fabric.cut_between("prefill", "decode"); ...; fabric.restore_between(...)
+    fabric.lose("decode", 0.05); ...; fabric.unlose("decode")
+    fabric.delay("decode", 100); ...; fabric.undelay("decode")
     fabric.close()
 
 Each host also gets its own UTS namespace (hostname): pdserve treats two workers with one
@@ -17,8 +22,12 @@ whose address is the subnet's `.1` (it plays the clients' machine).
 Everything is named after the creating process's id (`pdn<pid>...`), so concurrent runs
 never collide and a run killed before its teardown is recognised and removed by the next
 one (`sweep_stale`). Needs root, `ip` (iproute2), `tc`, `unshare`, `ss`, and iptables for
-cuts between two hosts. Link delay needs the kernel's netem qdisc; where the kernel lacks
-it, `shape` limits the rate (tbf) and reports that no delay was added.
+cuts between two hosts and for loss. Link delay needs the kernel's netem qdisc; where the
+kernel lacks it, `shape` limits the rate (tbf) and reports that no delay was added, and
+`delay` holds each packet a host receives in a userspace queue (NFQUEUE; see
+services/bench/netdelay.py) instead.
+
+pdserve itself is started on the hosts by services/bench/netns_stack.py.
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -170,6 +180,8 @@ class Fabric:
     hosts: dict[str, Host] = field(default_factory=dict)
     netem: bool | None = None  # does this kernel have netem (known after the first shape)
     _cuts: set[tuple[str, str]] = field(default_factory=set)
+    _lossy: dict[str, float] = field(default_factory=dict)  # host -> share of packets dropped
+    _delayers: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @classmethod
     def create(cls, names: list[str]) -> Fabric:
@@ -322,8 +334,73 @@ class Fabric:
                      check=False)
         self._cuts.discard((a, b))
 
+    def lose(self, name: str, share: float) -> None:
+        """Drop `share` of the packets `name` receives from its link, each at random
+        (iptables' statistic match in its namespace): a loss burst on every path into
+        the host. Dropping on receipt only, and in every host, makes each packet between
+        two hosts face the loss once."""
+        if not 0.0 < share < 1.0:
+            raise ValueError(f"a loss share is between 0 and 1, not {share}")
+        self.unlose(name)
+        self.run(name, ["iptables", "-I", "INPUT", "-i", "eth0", "-m", "statistic",
+                        "--mode", "random", "--probability", f"{share:.4f}", "-j", "DROP"])
+        self._lossy[name] = share
+
+    def unlose(self, name: str) -> None:
+        share = self._lossy.pop(name, None)
+        if share is not None:
+            self.run(name, ["iptables", "-D", "INPUT", "-i", "eth0", "-m", "statistic",
+                            "--mode", "random", "--probability", f"{share:.4f}", "-j",
+                            "DROP"], check=False)
+
+    def delay(self, name: str, delay_ms: float, log: Path) -> None:
+        """Hold every packet `name` receives from its link for `delay_ms` before letting
+        it in: netem's delay without netem. A userspace delayer bound to an NFQUEUE queue
+        in the host's namespace (services/bench/netdelay.py, its output in `log`) holds
+        the packets; iptables queues the host's INPUT to it. Delaying in every host adds
+        `delay_ms` to each packet between two of them, `2 * delay_ms` to a round trip.
+        Packets to the clients' machine (the bridge's own address) are not delayed."""
+        self.undelay(name)
+        proc = self.popen(name, [sys.executable, "-m", "services.bench.netdelay",
+                                 "--queue", "0", "--delay-ms", f"{delay_ms:g}"], log)
+        self._delayers[name] = proc
+
+        def bound() -> bool:
+            if proc.poll() is not None:
+                raise FabricError(f"the delayer in {name} exited ({proc.returncode}): "
+                                  f"{log.read_text(errors='replace').strip()[-500:]}")
+            table = self.run(name, ["cat", "/proc/net/netfilter/nfnetlink_queue"],
+                             check=False).stdout
+            return any(line.split()[:1] == ["0"] for line in table.splitlines())
+
+        wait_for(bound, 15, f"the delayer in {name} bound to its queue", period=0.05)
+        self.run(name, ["iptables", "-I", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
+                        "--queue-num", "0", "--queue-bypass"])
+
+    def undelay(self, name: str) -> None:
+        proc = self._delayers.pop(name, None)
+        if proc is None:
+            return
+        self.run(name, ["iptables", "-D", "INPUT", "-i", "eth0", "-j", "NFQUEUE",
+                        "--queue-num", "0", "--queue-bypass"], check=False)
+        stop_group(proc, timeout=5)  # SIGTERM: it lets every held packet through first
+
+    def heal(self) -> None:
+        """Undo every cut, loss and delay this fabric has made."""
+        for a, b in list(self._cuts):
+            self.restore_between(a, b)
+        for name in list(self._lossy):
+            self.unlose(name)
+        for name in list(self._delayers):
+            self.undelay(name)
+        for name in self.hosts:
+            self.restore(name)
+
     def close(self) -> None:
         """Remove every namespace and the bridge, killing what still runs in them."""
+        for proc in self._delayers.values():
+            stop_group(proc, timeout=5)
+        self._delayers.clear()
         _remove([h.ns for h in self.hosts.values()], [self.bridge])
         self.hosts.clear()
 
@@ -350,3 +427,4 @@ def wait_for(predicate: Callable[[], bool], timeout: float, what: str,
         if time.monotonic() > deadline:
             raise TimeoutError(f"{what} within {timeout:.0f} s")
         time.sleep(period)
+
