@@ -129,6 +129,12 @@ def _add_trace_args(p: argparse.ArgumentParser, is_sweep: bool) -> None:
                    help="Mooncake: replay every turn of N conversations drawn at random "
                    "(--seed) from the window, instead of consecutive requests (default: "
                    "none: the window's requests)")
+    g.add_argument("--trace-sample-seed", type=int, default=None, metavar="SEED",
+                   help="seed of the --trace-conversations draw, so runs with different "
+                   "--seed (prompt tokens) replay the same conversations (default: --seed)")
+    g.add_argument("--trace-min-turns", type=int, default=1, metavar="N",
+                   help="--trace-conversations draws only conversations of at least N "
+                   "requests (default: 1: any)")
     g.add_argument("--max-model-len", type=int, default=None,
                    help="context (prompt + output tokens) the trace's lengths are fitted "
                    "to (default: the served model's)")
@@ -318,7 +324,9 @@ async def _replay_config(args: argparse.Namespace) -> ReplayConfig:
         max_requests=args.num_requests, speed=args.speed, rate=args.trace_rate,
         length_scale=scale, max_model_len=max_len, kv_block_size=args.kv_block_size,
         keep_turn_order=not args.no_turn_order, seed=args.seed,
-        conversations=args.trace_conversations, sample_seed=args.seed)
+        conversations=args.trace_conversations, min_turns=args.trace_min_turns,
+        sample_seed=(args.seed if args.trace_sample_seed is None
+                     else args.trace_sample_seed))
 
 
 def _with_text(specs: list[RequestSpec], prompt_as: str, tokenizer: Tokenizer | None) -> None:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -212,14 +213,21 @@ def conversations(records: Sequence[TraceRecord]) -> list[int]:
 
 
 def sample_conversations(records: Sequence[TraceRecord], count: int, seed: int = 0,
-                         ) -> list[TraceRecord]:
+                         min_turns: int = 1) -> list[TraceRecord]:
     """Every turn of ``count`` conversations drawn at random (seeded) from ``records``,
     in arrival order: a small replay that keeps the trace's reuse between turns, which a
-    short run of consecutive requests mostly misses (turns come minutes apart)."""
+    short run of consecutive requests mostly misses (turns come minutes apart). Only
+    conversations of at least ``min_turns`` requests are drawn (1: any)."""
     if count < 1:
         raise ValueError(f"the number of conversations must be >= 1, got {count}")
+    if min_turns < 1:
+        raise ValueError(f"a conversation has at least 1 turn, got min_turns {min_turns}")
     roots = conversations(records)
-    firsts = sorted(set(roots))
+    turns = Counter(roots)
+    firsts = sorted(r for r, n in turns.items() if n >= min_turns)
+    if not firsts:
+        raise ValueError(f"no conversation of the window has {min_turns} turns or more "
+                         f"(the longest has {max(turns.values(), default=0)})")
     rng = np.random.default_rng(seed)
     chosen = set(rng.choice(firsts, size=min(count, len(firsts)), replace=False).tolist())
     return [r for r, root in zip(records, roots, strict=True) if root in chosen]
@@ -366,6 +374,7 @@ class ReplayConfig:
     conversations: int | None = None  # Mooncake: replay only this many conversations
     seed: int = 0  # token content of the prompts
     sample_seed: int = 0  # which conversations ``conversations`` draws
+    min_turns: int = 1  # ``conversations`` draws only conversations of this many turns
 
 
 @dataclass(slots=True)
@@ -373,6 +382,10 @@ class Replay:
     specs: list[RequestSpec]
     lengths: LengthPlan
     description: dict[str, Any] = field(default_factory=dict)
+    # Per request: the leading prompt tokens that earlier requests of the window sent as
+    # whole blocks (Mooncake only; a prefix cache keeps only whole blocks): what one
+    # cache holding everything sent before could skip computing.
+    reused_tokens: list[int] = field(default_factory=list)
 
     @property
     def mean_rate(self) -> float:
@@ -395,7 +408,7 @@ def plan_replay(cfg: ReplayConfig, pool: np.ndarray, trace: Trace | None = None)
             raise ValueError("only a Mooncake trace says which requests are turns of one "
                              "conversation: sample an Azure trace by its window")
         records = sample_conversations(window(trace.records, cfg.start_s, cfg.duration_s),
-                                       cfg.conversations, cfg.sample_seed)
+                                       cfg.conversations, cfg.sample_seed, cfg.min_turns)
         records = window(records, max_requests=cfg.max_requests)
     times = send_times(records, cfg.speed, cfg.rate)
     lengths = plan_lengths(trace.format, records, cfg.max_model_len, cfg.length_scale,
@@ -406,21 +419,28 @@ def plan_replay(cfg: ReplayConfig, pool: np.ndarray, trace: Trace | None = None)
     blocks = (TokenBlocks(pool, lengths.block_tokens, cfg.seed)
               if trace.format == "mooncake" else None)
     specs: list[RequestSpec] = []
+    reused_tokens: list[int] = []
     clipped = 0
     seen: set[tuple[int, ...]] = set()
+    whole: set[tuple[int, ...]] = set()  # prefixes whose last block was sent whole
     reused_blocks = total_blocks = 0
     for i, (rec, t) in enumerate(zip(records, times.tolist(), strict=True)):
         prompt_len, output_len, was_clipped = lengths.scale(rec)
         clipped += was_clipped
+        cached = 0
         if blocks is not None and rec.hash_ids:
             ids = blocks.prompt(rec.hash_ids, prompt_len)
             used = rec.hash_ids[:math.ceil(prompt_len / lengths.block_tokens)]
+            cached = next((k for k in range(len(used)) if used[:k + 1] not in whole),
+                          len(used))  # chained ids: the hits are a leading run
             for k in range(1, len(used) + 1):  # the trace's own prefix reuse, as replayed
                 total_blocks += 1
                 reused_blocks += used[:k] in seen
                 seen.add(used[:k])
+            whole.update(used[:k] for k in range(1, prompt_len // lengths.block_tokens + 1))
         else:
             ids = [int(x) for x in rng.choice(pool, prompt_len)]
+        reused_tokens.append(min(prompt_len, cached * lengths.block_tokens))
         kind = trace.format if turns[i] is None else f"{trace.format}-next-turn"
         specs.append(RequestSpec(ids, output_len, kind, at_s=t, after=turns[i]))
     prompts = np.asarray([len(s.prompt_ids) for s in specs])
@@ -431,6 +451,7 @@ def plan_replay(cfg: ReplayConfig, pool: np.ndarray, trace: Trace | None = None)
         "requests_in_file": len(trace.records),
         "window": {"start_s": cfg.start_s, "duration_s": cfg.duration_s,
                    "max_requests": cfg.max_requests, "conversations": cfg.conversations,
+                   "min_turns": cfg.min_turns,
                    "requests": len(records),
                    "trace_span_s": span,
                    "trace_rate": (len(records) - 1) / span if span > 0 else None},
@@ -466,4 +487,4 @@ def plan_replay(cfg: ReplayConfig, pool: np.ndarray, trace: Trace | None = None)
             "meaning": "share of the replayed prompt blocks that an earlier request of "
                        "the window already sent (the trace's own prefix reuse)",
         }
-    return Replay(specs, lengths, description)
+    return Replay(specs, lengths, description, reused_tokens)
