@@ -5,7 +5,11 @@ kv_connector_module_path="services.kv.connector", kv_role="kv_producer"|"kv_cons
 One class, two roles, as vLLM wants it: in the engine-core process it is the scheduler
 half (`SchedulerSide`: which blocks to ship or fill, and when to free them); in each
 worker process it is the worker half (`Producer` ships layers during the forward pass,
-`Consumer` receives transfers and copies blocks into the paged cache).
+`Consumer` receives transfers and copies blocks into the paged cache). At tensor-parallel
+size N there are N worker halves, one per rank, each with its own heads: a prefill rank
+ships its heads to the decode ranks that hold them (`tp_layout.kv_pieces`), a decode
+rank runs its own receiver and loads its own heads; vLLM counts a request finished
+sending or receiving once every rank reported it.
 
 Its configuration is `KVSettings` (services/kv/settings.py), the one definition of the
 keys of `kv_connector_extra_config`, their defaults and what each tunes: the worker
@@ -35,7 +39,7 @@ from services.kv.layout import fingerprint_of
 from services.kv.metadata import PdserveConnectorMetadata
 from services.kv.producer import Producer
 from services.kv.scheduler_side import SchedulerSide
-from services.kv.settings import KVSettings
+from services.kv.settings import KVSettings, rank_port_file
 from services.kv.stats import FALLBACKS, FallbackMetrics, PdserveKVStats
 
 if TYPE_CHECKING:
@@ -56,6 +60,16 @@ def publish_port(path: str, address: str) -> None:
     with open(tmp, "w") as f:
         f.write(address.rsplit(":", 1)[1])
     os.replace(tmp, path)  # readers never see a half-written file
+
+
+def _tp_rank() -> int:
+    """This model worker's tensor-parallel rank (0 where vLLM set up no TP group)."""
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    try:
+        return int(get_tensor_model_parallel_rank())
+    except (AssertionError, AttributeError):
+        return 0
 
 
 def _ipc_device(vllm_config: Any) -> str:
@@ -84,28 +98,36 @@ class PdserveConnector(KVConnectorBase_V1):
         self.consumer: Consumer | None = None
         # Layers held until the forward pass ends, where layer-wise shipping is off.
         self._held: list[tuple[str, torch.Tensor]] = []
+        tp = int(vllm_config.parallel_config.tensor_parallel_size)
         if role == KVConnectorRole.SCHEDULER:
-            self.scheduler = SchedulerSide(block_size, self.is_producer)
+            self.scheduler = SchedulerSide(block_size, self.is_producer, ranks=tp)
             return
         s = self.settings
+        rank = _tp_rank()
         identity = PeerIdentity(s.worker_id, s.epoch, fingerprint_of(vllm_config))
         config = s.transport_config(_ipc_device(vllm_config))
         if self.is_producer:
-            self.producer = Producer(identity, config, s.lease_s, s.allow_faults, s.shm)
+            self.producer = Producer(identity, config, s.lease_s, s.allow_faults, s.shm,
+                                     rank=rank, tp=tp)
         else:
+            # One receiver per rank: a fixed port is the first rank's, the next ones'
+            # follow it.
             self.consumer = Consumer(
                 identity,
                 config,
                 s.kv_transport,
                 s.kv_host,
-                s.kv_port,
+                s.kv_port + rank if s.kv_port else 0,
                 s.load_timeout_s,
                 s.unknown_grace_s,
                 s.allow_faults,
+                rank=rank,
+                tp=tp,
             )
-            log.info("KV receiver (%s) on %s", s.kv_transport, self.consumer.receiver.address)
+            log.info("KV receiver (%s) of rank %d on %s", s.kv_transport, rank,
+                     self.consumer.receiver.address)
             if s.port_file:
-                publish_port(s.port_file, self.consumer.receiver.address)
+                publish_port(rank_port_file(s.port_file, rank), self.consumer.receiver.address)
 
     # -- worker half ------------------------------------------------------------------
     def _meta(self) -> PdserveConnectorMetadata:

@@ -2,7 +2,9 @@
 
 A decode worker copies the prefill worker's KV blocks byte for byte into its paged cache,
 so both sides must agree on everything that decides what those bytes mean: model, dtype,
-block size, layer and head geometry, and how a (block, head) page is packed (on CPU the
+block size, layer and head geometry (the model's, not a rank's: a transfer between
+tensor-parallel workers carries a run of heads, `tp_layout.kv_pieces`), and how a
+(block, head) page is packed (on CPU the
 packing depends on the instruction set; on GPU on the attention backend). The receiver
 refuses a transfer whose sender fingerprint differs and names the fields that differ.
 """
@@ -26,7 +28,9 @@ class LayoutFingerprint:
     dtype: str  # KV cache dtype, e.g. "float32"
     block_size: int  # tokens per KV block
     num_layers: int
-    num_kv_heads: int  # KV heads held by this worker (after tensor parallel split)
+    # The model's KV heads, all ranks together: the same at any tensor-parallel size, so
+    # workers of different sizes pair; each transfer names the heads it carries.
+    num_kv_heads: int
     head_size: int
     kv_packing: str  # e.g. "cpu:avx2:k-transposed", or a GPU attention backend name
     pdserve_version: str  # wire and layout conventions of this release

@@ -36,7 +36,7 @@ def fingerprint_of(vllm_config: Any) -> LayoutFingerprint:
         dtype=str(dtype).removeprefix("torch."),
         block_size=int(cache.block_size),
         num_layers=int(model.get_num_layers(parallel)),
-        num_kv_heads=int(model.get_num_kv_heads(parallel)),
+        num_kv_heads=int(model.get_total_num_kv_heads()),
         head_size=int(model.get_head_size()),
         kv_packing=kv_packing(vllm_config.device_config.device_type),
         pdserve_version=pdserve_version(),

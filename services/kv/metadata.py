@@ -30,6 +30,8 @@ class SaveJob:
     same_host: bool = False  # the receiver shares this host: shared memory may be used
     lora: str = ""  # the LoRA adapter the prompt ran under ("" = the base model)
     first_block: int = 0  # the prompt block block_ids[0] holds (the ones before it stay)
+    # The decode worker's receivers by rank (`SendParams.rank_addresses`): its TP size.
+    kv_addresses: list[str] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -46,6 +48,7 @@ class LoadJob:
     # transfer that starts elsewhere is refused.
     transfer_first_block: int = 0
     reused_tokens: int = 0  # prompt tokens the engine's own prefix cache held
+    prefill_tp: int = 1  # the sender's TP size: which pieces each rank here receives
 
 
 @dataclass(slots=True)

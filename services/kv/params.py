@@ -13,7 +13,7 @@ What the connector's two halves tell each other every step is in `metadata`.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Self
 
 from services.kv.contract import Contract
@@ -78,6 +78,13 @@ class SendParams(_Entry):
     # Ship the prompt's blocks from this one on: the decode worker holds the ones before
     # it in its prefix cache (`reuse.first_block`).
     first_block: int = 0
+    # The decode worker's receivers, one per tensor-parallel rank in rank order (empty:
+    # one rank, at `kv_address`). Each prefill rank ships each decode rank its heads.
+    kv_addresses: tuple[str, ...] = ()
+
+    @property
+    def rank_addresses(self) -> list[str]:
+        return list(self.kv_addresses) or [self.kv_address]
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +100,9 @@ class RecvParams(_Entry):
     # The transfer holds the prompt's blocks from this one on; this engine must hold the
     # ones before it in its prefix cache (else it computes the prompt itself).
     first_block: int = 0
+    # The prefill worker's tensor-parallel size: each of its ranks sends this engine's
+    # ranks their heads, so each rank here knows which pieces to wait for.
+    prefill_tp: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +125,22 @@ class LoadReport(Contract):
     # Why the prompt was computed here although KV was shipped for it ("" otherwise; then
     # `ok` says whether the blocks were loaded). See `reuse.REUSED_PREFIX_GONE`.
     recomputed: str = ""
+
+    def merged(self, other: LoadReport) -> LoadReport:
+        """One report of a load done in parts (the pieces of one rank; the ranks of one
+        engine): ok only if every part is, bytes and work summed, from the first byte of
+        any part to the last byte of all."""
+        def first(a: float, b: float) -> float:
+            return min(x for x in (a, b) if x) if a or b else 0.0
+
+        return replace(
+            self, ok=self.ok and other.ok, nbytes=self.nbytes + other.nbytes,
+            first_byte_wall=first(self.first_byte_wall, other.first_byte_wall),
+            last_byte_wall=max(self.last_byte_wall, other.last_byte_wall),
+            chunks=self.chunks + other.chunks, checksum_s=self.checksum_s + other.checksum_s,
+            error="; ".join(e for e in dict.fromkeys((self.error, other.error)) if e),
+            prompt_nbytes=self.prompt_nbytes + other.prompt_nbytes,
+            recomputed=self.recomputed or other.recomputed)
 
     def to_output(self) -> dict[str, Any]:
         """The final output's `kv_transfer_params`."""

@@ -21,6 +21,14 @@ import torch
 from services.kv.fingerprint import PeerIdentity
 from services.kv.metadata import PdserveConnectorMetadata, SaveJob
 from services.kv.params import FAULT_CORRUPT_CHUNK
+from services.kv.reshard import CPU_HEAD_AXIS, take
+from services.kv.tp_layout import (
+    KVPiece,
+    kv_heads_per_rank,
+    kv_pieces,
+    piece_transfer_id,
+    sends_of,
+)
 from services.kv.transport import (
     SHM,
     KVSender,
@@ -40,9 +48,15 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class _Sending:
+    """One transfer in flight: a job's blocks, or one piece of them (some of its heads,
+    for one decode rank) where the two workers' tensor-parallel layouts differ."""
+
     job: SaveJob
     started: float  # time.monotonic()
     kind: str  # the sender it went to: a network kind, or "shm:<network kind>"
+    piece: KVPiece
+    address: str  # the decode rank's receiver
+    whole: bool  # the piece is every head of this rank's tensor (no slicing)
     layers_sent: int = 0
     slab: torch.Tensor | None = None  # pooled memory under `copies` (CPU caches)
     # Per layer, filled as computed: in the sender's own memory where it lends some
@@ -51,6 +65,12 @@ class _Sending:
 
 
 class Producer:
+    """The worker half of one prefill rank. At tensor-parallel size `tp` it holds the
+    heads `tp_layout.rank_heads(rank, tp, ...)` and ships, for each job, the pieces
+    `tp_layout.sends_of(rank, ...)` to the decode ranks that hold those heads, each piece
+    its own transfer (`tp_layout.piece_transfer_id`). vLLM frees a request's blocks once
+    every rank reported it finished sending."""
+
     def __init__(
         self,
         identity: PeerIdentity,
@@ -58,19 +78,23 @@ class Producer:
         lease_s: float,
         allow_faults: bool,
         shm: bool = True,
+        rank: int = 0,
+        tp: int = 1,
     ) -> None:
         self.identity = identity
         self.config = config
         self.lease_s = lease_s
         self.allow_faults = allow_faults
         self.shm = shm
+        self.rank, self.tp = rank, tp
         self.fallbacks: Counter[str] = Counter()  # same-host transfers sent over the network
         self._no_shm: dict[str, str] = {}  # peer -> why shm failed there (then: network)
         self._logged: set[tuple[str, str]] = set()
         self._senders: dict[str, KVSender] = {}  # one per transport kind, made on first use
         self._layer_index: dict[str, int] = {}
-        self._block_ids: dict[str, torch.Tensor] = {}  # transfer id -> index tensor
-        self._sending: dict[str, _Sending] = {}  # transfer id -> state
+        self._block_ids: dict[str, torch.Tensor] = {}  # job's transfer id -> index tensor
+        self._sending: dict[str, _Sending] = {}  # piece's transfer id -> state
+        self._pieces: dict[str, list[str]] = {}  # job's transfer id -> its pieces' ids
         self._owned: set[str] = set()  # req ids with a transfer not yet reported to vLLM
         self._done: set[str] = set()  # req ids whose transfer is over (acked, failed, expired)
         self._finished: set[str] = set()  # req ids vLLM has finished (from finished_req_ids)
@@ -91,14 +115,16 @@ class Producer:
                 self._senders[kind] = make_sender(kind, self.identity, self.config)
         return self._senders[kind]
 
-    def _route(self, job: SaveJob) -> str:
-        """The sender a job goes to."""
+    def _route(self, job: SaveJob, address: str = "") -> str:
+        """The sender a job's transfer to `address` (a decode rank's; by default the
+        job's first) goes to."""
+        address = address or job.kv_address
         if not job.same_host:
             return job.kv_transport
-        reason = REASON_DISABLED if not self.shm else self._no_shm.get(job.kv_address)
+        reason = REASON_DISABLED if not self.shm else self._no_shm.get(address)
         if reason is None:
             return f"{SHM}:{job.kv_transport}"
-        self._fell_back(job.kv_address, reason, "")
+        self._fell_back(address, reason, "")
         return job.kv_transport
 
     def _fell_back(self, peer: str, reason: str, detail: str) -> None:
@@ -133,55 +159,94 @@ class Producer:
                 self._give_up(job)
 
     def _give_up(self, job: SaveJob) -> None:
-        """Abandon a transfer; its blocks are freed once vLLM has finished the request."""
-        sending = self._sending.pop(job.transfer_id, None)
-        if sending is not None:
-            self._sender(sending.kind).cancel(job.transfer_id)
-            self._recycle(sending)
+        """Abandon a job's transfers; its blocks are freed once vLLM has finished the
+        request."""
+        for tid in self._pieces.pop(job.transfer_id, []):
+            sending = self._sending.pop(tid, None)
+            if sending is not None:
+                self._sender(sending.kind).cancel(tid)
+                self._recycle(sending)
         self._block_ids.pop(job.transfer_id, None)
         self._owned.add(job.req_id)
         self._done.add(job.req_id)
 
     def _save_layer(self, job: SaveJob, idx: int, kv_layer: torch.Tensor) -> None:
         if job.req_id in self._done:
-            return  # given up on earlier in this step
-        sending = self._sending.get(job.transfer_id)
-        if sending is None:
-            sending = self._begin(job, kv_layer)
+            return  # given up on earlier in this step (or nothing to send from here)
+        if job.transfer_id not in self._pieces:
+            self._begin_job(job, kv_layer)
+            if job.req_id in self._done:
+                return
         ids = self._block_ids[job.transfer_id]
-        # A private copy of this layer's blocks (cheap beside the layer's compute);
-        # the sender's threads ship it while later layers compute.
-        if sending.copies:
-            blocks = torch.index_select(kv_layer, 0, ids, out=sending.copies[idx])
-        else:
-            blocks = kv_layer.index_select(0, ids)
-        self._sender(sending.kind).send_layer(job.transfer_id, idx, blocks)
-        sending.layers_sent += 1
-        if sending.layers_sent == len(self._layer_index):
-            self._sender(sending.kind).end(job.transfer_id)
+        for tid in self._pieces[job.transfer_id]:
+            sending = self._sending.get(tid)
+            if sending is None:
+                continue  # over already (refused at once)
+            # A private copy of this layer's blocks (cheap beside the layer's compute),
+            # of the piece's heads only; the sender's threads ship it while later layers
+            # compute.
+            source = kv_layer if sending.whole else take(kv_layer, sending.piece)
+            if sending.copies:
+                blocks = torch.index_select(source, 0, ids, out=sending.copies[idx])
+            else:
+                blocks = source.index_select(0, ids)
+            self._sender(sending.kind).send_layer(tid, idx, blocks)
+            sending.layers_sent += 1
+            if sending.layers_sent == len(self._layer_index):
+                self._sender(sending.kind).end(tid)
 
-    def _begin(self, job: SaveJob, kv_layer: torch.Tensor) -> _Sending:
-        ids = torch.tensor(job.block_ids, dtype=torch.long, device=kv_layer.device)
-        self._block_ids[job.transfer_id] = ids
+    def _begin_job(self, job: SaveJob, kv_layer: torch.Tensor) -> None:
+        """Start this rank's transfers of a job: one per piece it sends."""
+        addresses = job.kv_addresses or [job.kv_address]
+        total_heads = self.identity.fingerprint.num_kv_heads
+        pieces = kv_pieces(self.tp, len(addresses), total_heads)
+        mine = sends_of(self.rank, pieces)
+        self._owned.add(job.req_id)
+        self._pieces[job.transfer_id] = []
+        if not mine:  # another rank holds (the chosen replicas of) every head
+            self._done.add(job.req_id)
+            return
+        held = kv_heads_per_rank(self.tp, total_heads)
+        partial = any(p.src.start or p.src.count != held for p in mine)
+        if partial and (kv_layer.device.type != "cpu"
+                        or kv_layer.shape[CPU_HEAD_AXIS] != held):
+            raise RuntimeError(
+                f"this rank's KV tensor {tuple(kv_layer.shape)} does not hold its {held} KV "
+                f"heads on axis {CPU_HEAD_AXIS}: KV between tensor-parallel layouts is "
+                "sliced as vLLM's CPU cache lays it out")
+        self._block_ids[job.transfer_id] = torch.tensor(
+            job.block_ids, dtype=torch.long, device=kv_layer.device)
+        for piece in mine:
+            tid = piece_transfer_id(job.transfer_id, piece, pieces)
+            self._pieces[job.transfer_id].append(tid)
+            self._begin(job, tid, piece, addresses[piece.dst.rank], kv_layer, held)
+
+    def _begin(self, job: SaveJob, tid: str, piece: KVPiece, address: str,
+               kv_layer: torch.Tensor, held: int) -> None:
+        whole = piece.src.start == 0 and piece.src.count == held
+        sliced = len(job.kv_addresses) > 1 or self.tp > 1
         spec = TransferSpec(
-            transfer_id=job.transfer_id,
+            transfer_id=tid,
             num_layers=len(self._layer_index),
-            layer_shape=(len(job.block_ids), *kv_layer.shape[1:]),
+            layer_shape=(len(job.block_ids), *kv_layer.shape[1:]) if whole else (
+                len(job.block_ids), piece.src.count, *kv_layer.shape[2:]),
             dtype=kv_layer.dtype,
             num_tokens=job.num_tokens,
             receiver_epoch=job.decode_epoch,
             receiver_fingerprint=job.decode_fingerprint,
             lora=job.lora,
             first_block=job.first_block,
+            head_start=piece.head_start if sliced else 0,
+            head_stop=piece.head_stop if sliced else 0,
         )
-        sending = _Sending(job, time.monotonic(), self._route(job))
-        self._sending[job.transfer_id] = sending
-        self._owned.add(job.req_id)
+        sending = _Sending(job, time.monotonic(), self._route(job, address), piece, address,
+                           whole)
+        self._sending[tid] = sending
         sender = self._sender(sending.kind)
-        sender.begin(job.kv_address, spec)
+        sender.begin(address, spec)
         # Copies made in memory the sender lends are shipped from there without another
         # copy (NIXL WRITEs straight from its registered arena).
-        memory = sender.layer_memory(job.transfer_id)
+        memory = sender.layer_memory(tid)
         if memory is None or memory.device != kv_layer.device:
             memory = None
             if kv_layer.device.type == "cpu":
@@ -193,10 +258,25 @@ class Producer:
                 for i in range(spec.num_layers)
             ]
         if job.fault == FAULT_CORRUPT_CHUNK and self.allow_faults:
-            sender.corrupt_after_checksum(job.transfer_id)
-        return sending
+            sender.corrupt_after_checksum(tid)
 
     # -- after each step ---------------------------------------------------------------
+    def _over(self, tid: str) -> _Sending | None:
+        """A piece's transfer is over: forget it; its job is over with its last piece."""
+        sending = self._sending.pop(tid, None)
+        if sending is None:
+            return None
+        self._recycle(sending)
+        job = sending.job
+        left = self._pieces.get(job.transfer_id)
+        if left is not None and tid in left:
+            left.remove(tid)
+            if not left:
+                del self._pieces[job.transfer_id]
+                self._block_ids.pop(job.transfer_id, None)
+                self._done.add(job.req_id)
+        return sending
+
     def get_finished(self, finished_req_ids: set[str]) -> set[str]:
         self._finished |= finished_req_ids & self._owned
         for sender in list(self._senders.values()):
@@ -207,16 +287,10 @@ class Producer:
             elif isinstance(sender, NixlKVSender):  # logged once there; counted here
                 for _, reason, _ in sender.poll_fallbacks():
                     self.fallbacks[reason] += 1
-        for sender in self._senders.values():
+        for sender in list(self._senders.values()):
             for outcome in sender.poll_finished():
-                sending = self._sending.pop(outcome.transfer_id, None)
-                self._block_ids.pop(outcome.transfer_id, None)
-                if sending is None:
-                    continue
-                self._recycle(sending)
-                if not outcome.ok:
+                if self._over(outcome.transfer_id) is not None and not outcome.ok:
                     log.warning("KV transfer %s failed: %s", outcome.transfer_id, outcome.error)
-                self._done.add(sending.job.req_id)
         now = time.monotonic()
         for tid, sending in list(self._sending.items()):
             if now - sending.started > self.lease_s:
@@ -224,10 +298,7 @@ class Producer:
                     "KV transfer %s: lease of %.0f s ran out; freeing its blocks", tid, self.lease_s
                 )
                 self._sender(sending.kind).cancel(tid)
-                self._recycle(sending)
-                del self._sending[tid]
-                self._block_ids.pop(tid, None)
-                self._done.add(sending.job.req_id)
+                self._over(tid)
         # Report only ids vLLM has already finished: reporting one earlier kills the
         # engine (it asserts the request is finished before freeing its blocks).
         ready = self._done & self._finished

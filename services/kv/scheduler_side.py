@@ -44,9 +44,13 @@ def lora_name(request: Any) -> str:
 
 
 class SchedulerSide:
-    def __init__(self, block_size: int, is_producer: bool) -> None:
+    def __init__(self, block_size: int, is_producer: bool, ranks: int = 1) -> None:
         self.block_size = block_size
         self.is_producer = is_producer
+        # The engine's tensor-parallel ranks: each rank's worker half loads its own heads
+        # and reports its own LoadReport; a load is over once every rank reported.
+        self.ranks = ranks
+        self._parts: dict[str, tuple[int, LoadReport]] = {}  # rid -> (ranks in, merged)
         # producer
         self._to_save: dict[str, Request] = {}  # waiting for the step that completes the prompt
         self._saving: set[str] = set()  # a SaveJob was emitted: blocks must be held
@@ -115,6 +119,7 @@ class SchedulerSide:
                 lora=lora_name(request),
                 transfer_first_block=params.first_block,
                 reused_tokens=offset,
+                prefill_tp=params.prefill_tp,
             )
         )
         self._loading.add(rid)
@@ -172,6 +177,7 @@ class SchedulerSide:
                     same_host=params.same_host,
                     lora=lora_name(request),
                     first_block=first,
+                    kv_addresses=params.rank_addresses,
                 )
             )
             self._saving.add(rid)
@@ -181,9 +187,16 @@ class SchedulerSide:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, LoadReports):
             for report in meta.reports:
-                if report.req_id in self._loading:  # else: aborted, nobody will ask
-                    self._reports[report.req_id] = report
-                    self._loading.discard(report.req_id)
+                rid = report.req_id
+                if rid not in self._loading:  # aborted, nobody will ask
+                    continue
+                count, merged = self._parts.pop(rid, (0, None))
+                merged = report if merged is None else merged.merged(report)
+                if count + 1 < self.ranks:
+                    self._parts[rid] = (count + 1, merged)
+                else:
+                    self._reports[rid] = merged
+                    self._loading.discard(rid)
         for rid in output.finished_sending or ():
             self._saving.discard(rid)
 
@@ -198,6 +211,7 @@ class SchedulerSide:
             # reports this id once the receiver acknowledged or the lease ran out.
             return rid in self._saving, None
         self._offsets.pop(rid, None)
+        self._parts.pop(rid, None)
         if rid in self._loading:
             # Aborted while waiting for its KV: vLLM keeps the blocks until the worker
             # half reports the id as received; tell it to stop waiting now.

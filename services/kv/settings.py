@@ -15,6 +15,12 @@ from services.kv.transport import KINDS, TransportConfig, checksum
 TRANSPORT_DEFAULTS = TransportConfig()  # the transports' defaults, which settings inherit
 
 
+def rank_port_file(path: str, rank: int) -> str:
+    """Where tensor-parallel rank `rank` of a decode engine publishes its receiver's port
+    (`path` itself for the first rank)."""
+    return path if rank == 0 else f"{path}.{rank}"
+
+
 @dataclass(frozen=True, slots=True)
 class KVSettings(Contract):
     """Producer: the prefill worker's half; consumer: the decode worker's (which hosts the
@@ -24,7 +30,8 @@ class KVSettings(Contract):
     epoch: int  # both: its start epoch; transfers meant for another epoch are refused
     kv_host: str = "127.0.0.1"  # consumer: where the KV receiver binds
     kv_port: int = 0  # consumer: its port; 0 = any free one, written to `port_file`
-    port_file: str = ""  # consumer: where the bound port is written for the service
+    # consumer: where the bound port is written for the service (`rank_port_file`)
+    port_file: str = ""
     kv_transport: str = "grpc"  # consumer: receiver kind (KINDS)
     # Producer: longest hold of an unacknowledged transfer's blocks; consumer: how long
     # a received transfer waits to be taken.

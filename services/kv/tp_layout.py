@@ -196,20 +196,34 @@ class LayoutRefused(ValueError):
     """A layout pdserve will not serve, with what to do instead."""
 
 
-# The KV connector ships one model worker's KV tensor whole, which at TP>1 holds only
-# its rank's heads: until each rank ships its pieces (`kv_pieces`), workers that move
-# KV run at TP=1.
-KV_WORKER_MAX_TP = 1
-
-
 def kv_workers_tp_problem(prefill_tp: int, decode_tp: int) -> str:
     """Why prefill and decode workers at these TP sizes cannot exchange KV ("" when
-    they can)."""
-    if max(prefill_tp, decode_tp) <= KV_WORKER_MAX_TP:
-        return ""
-    return (f"prefill TP {prefill_tp} -> decode TP {decode_tp}: moving KV between "
-            "tensor-parallel workers is not supported yet (a worker's KV transfer carries "
-            "one rank's heads). Run prefill and decode workers at --prefill-tp 1 "
-            "--decode-tp 1 (--tensor-parallel-size 1 on `pdserve prefill|decode`), or "
-            "serve one tensor-parallel engine with `pdserve serve --mode colocated "
-            "--tensor-parallel-size N`")
+    they can). Any two sizes can, as far as the sizes go: each prefill rank ships its
+    pieces (`kv_pieces`) to the decode ranks that hold those heads. Whether the model's
+    heads split over each size is the model's question (`tp_problem`, checked where the
+    model is known)."""
+    for role, tp in (("prefill", prefill_tp), ("decode", decode_tp)):
+        if tp < 1:
+            return f"{role} TP {tp}: tensor_parallel_size must be >= 1"
+    return ""
+
+
+# -- one transfer per piece -------------------------------------------------------------
+
+# Joins a transfer id and a piece's ranks. Not a character of request or transfer ids
+# (`services.worker.checks.check_id`), so a piece's id never equals another transfer's.
+PIECE_SEPARATOR = "#"
+
+
+def piece_transfer_id(transfer_id: str, piece: KVPiece, pieces: list[KVPiece]) -> str:
+    """The id of the transfer that carries `piece` of `transfer_id`: the id itself where
+    the layout change is a single piece (both sides at TP=1), else the id with the
+    piece's source and destination ranks (unique among the pieces: one run each)."""
+    if len(pieces) == 1:
+        return transfer_id
+    return f"{transfer_id}{PIECE_SEPARATOR}{piece.src.rank}-{piece.dst.rank}"
+
+
+def base_transfer_id(transfer_id: str) -> str:
+    """The transfer a piece's transfer belongs to (an id without a piece: itself)."""
+    return transfer_id.split(PIECE_SEPARATOR, 1)[0]

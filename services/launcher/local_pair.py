@@ -23,7 +23,12 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.api.public import serve_public
 from services.engine.config import EngineConfig, split_cores
 from services.engine.model import resolve_model
-from services.kv.tp_layout import LayoutRefused, kv_workers_tp_problem
+from services.kv.tp_layout import (
+    LayoutRefused,
+    check_model_shape,
+    kv_workers_tp_problem,
+    read_hf_config,
+)
 from services.launcher.placement import ranks_warning
 from services.launcher.settings import LauncherConfig, role_tp
 from services.observability import tracing
@@ -180,6 +185,11 @@ async def serve_disaggregated(engine_cfg: EngineConfig, server_cfg: ServerConfig
     if problem:
         raise LayoutRefused(problem)
     model_path = resolve_model(engine_cfg.model, engine_cfg.resolved_dtype())
+    for role in ("prefill", "decode"):  # the model's heads over each pool's ranks
+        try:
+            check_model_shape(read_hf_config(model_path), tp[role], kv_transfer=True)
+        except ValueError as e:
+            raise LayoutRefused(f"{role} workers at TP {tp[role]}: {e}") from None
     prefill_cores, decode_cores = split_cores(placement.prefill_cores, placement.decode_cores)
     base: dict[str, Any] = {**settings_env(engine_cfg), **settings_env(worker_cfg),
                             **internal_tls_env(server_cfg), **tracing.settings_env(server_cfg)}

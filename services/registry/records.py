@@ -47,7 +47,7 @@ class WorkerRecord:
     host: str  # machine identity: pairs on one host transfer KV cheaper
     epoch: int  # restart epoch
     fingerprint: str  # KV layout digest
-    kv_address: str = ""  # decode: where KV transfers are received
+    kv_address: str = ""  # decode: where KV transfers are received (its first rank's)
     kv_transport: str = ""
     metrics_port: int = 0  # Prometheus port on `host` of the address (0 = none)
     # Where Prometheus scrapes this worker ("host:port"; "" = none, or an older writer:
@@ -75,6 +75,9 @@ class WorkerRecord:
     # The LoRA adapters the worker has loaded, (name, folder), sorted by name: the router
     # pairs a request naming one with workers that hold it.
     loras: tuple[tuple[str, str], ...] = ()
+    # decode: one KV receiver per tensor-parallel rank, in rank order ("host:port" each;
+    # empty: one rank, at `kv_address`). Prefill ranks send each rank its KV heads.
+    kv_addresses: tuple[str, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -89,6 +92,7 @@ class WorkerRecord:
         values = _typed_fields(cls, d)
         values["load"] = WorkerLoad(**_typed_fields(WorkerLoad, _object(d.get("load", {}))))
         values["loras"] = _adapter_pairs(d.get("loras", []))
+        values["kv_addresses"] = _addresses(d.get("kv_addresses", []))
         record = cls(**values)
         _check_values(record)
         return record
@@ -138,7 +142,7 @@ def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
     left to their defaults."""
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        if f.name in ("load", "loras"):
+        if f.name in ("load", "loras", "kv_addresses"):
             continue
         if f.name not in d:
             if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -153,6 +157,15 @@ def _typed_fields(cls: type, d: dict[str, Any]) -> dict[str, Any]:
             raise BadRecord("schema", f"field {f.name!r} is not finite")
         out[f.name] = float(d[f.name]) if f.type == "float" else value
     return out
+
+
+def _addresses(value: Any) -> tuple[str, ...]:
+    """`kv_addresses` as written (["host:port", ...]), checked."""
+    if not isinstance(value, list | tuple) or not all(isinstance(a, str) for a in value):
+        raise BadRecord("schema", "field 'kv_addresses' is not a list of strings")
+    for address in value:
+        _check_address("kv_addresses", address)
+    return tuple(value)
 
 
 def _adapter_pairs(value: Any) -> tuple[tuple[str, str], ...]:

@@ -550,7 +550,8 @@ class RouterBackend:
             flights.append(self.local.sent(d.worker_id, 0))
         target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch, kv_address=d.kv_address,
                               kv_transport=d.kv_transport, fingerprint_digest=d.fingerprint,
-                              same_host=p is not None and p.host == d.host)
+                              same_host=p is not None and p.host == d.host,
+                              kv_addresses=d.kv_addresses)
         first = True
         try:
             async for delta in run_pair(req, self.peer(p) if p else None, self.peer(d),

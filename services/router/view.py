@@ -35,9 +35,8 @@ def record_of(info: wpb.WorkerInfo, address: str) -> WorkerRecord:
     """A worker as its own GetWorkerInfo describes it (no load: the router's own
     in-flight counts stand in for heartbeats)."""
     role = "prefill" if info.role == wpb.WORKER_ROLE_PREFILL else "decode"
-    # WorkerInfo carries no TP size; the record's default, 1, is right because a worker
-    # that moves KV starts only at TP 1 (`Worker.start`).
     layout = json.loads(info.fingerprint_json or "{}")
+    tp = int(info.tp) or 1  # 0: a worker older than the field, which ran at TP 1
     dtype = info.dtype or layout.get("dtype", "")
     return WorkerRecord(
         worker_id=info.worker_id, role=role, address=address, host=info.host,
@@ -46,7 +45,11 @@ def record_of(info: wpb.WorkerInfo, address: str) -> WorkerRecord:
         kv_transport=info.kv_transport if role == "decode" else "",
         capacity=int(info.capacity) or 64, model=info.model,
         max_model_len=int(info.max_model_len), vocab_size=int(info.vocab_size), dtype=dtype,
-        kv_heads=int(layout.get("num_kv_heads", 0)), block_size=int(layout.get("block_size", 0)),
+        kv_addresses=tuple(info.kv_addresses) if role == "decode" else (), tp=tp,
+        # the layout's KV heads are the model's; a record names each rank's
+        kv_heads=max(1, int(layout.get("num_kv_heads", 0)) // tp) if layout.get(
+            "num_kv_heads") else 0,
+        block_size=int(layout.get("block_size", 0)),
         loras=tuple(sorted((a.name, a.path) for a in info.lora_adapters)))
 
 

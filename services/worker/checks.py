@@ -52,6 +52,11 @@ def check_sampling(s: pb.SamplingParams, limits: model_limits.Limits,
 def check_target(t: wpb.KVTarget, own_digest: str, own_layout: str) -> None:
     check_id("target.worker_id", t.worker_id)
     check_address("target.kv_address", t.kv_address)
+    for i, address in enumerate(t.kv_addresses):
+        check_address(f"target.kv_addresses[{i}]", address)
+    if t.kv_addresses and t.kv_addresses[0] != t.kv_address:
+        raise InvalidRequest(f"target.kv_addresses[0]: {t.kv_addresses[0][:80]!r} is not "
+                             f"target.kv_address {t.kv_address[:80]!r} (the first rank's)")
     if t.kv_transport not in KV_TRANSPORTS:
         raise InvalidRequest(f"target.kv_transport: {t.kv_transport!r} is not one of "
                              f"{KV_TRANSPORTS}")

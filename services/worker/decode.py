@@ -23,6 +23,7 @@ from services.engine.outputs import Choices, delta_of_output, end_delta, vllm_pa
 from services.errors import Aborted, IncompatiblePair, InvalidRequest, Unavailable
 from services.kv import worker_ext
 from services.kv.params import LoadReport, RecvParams, check_fault
+from services.kv.tp_layout import tp_problem
 from services.limits import Limits
 from services.messages import Delta, Sampling, Timings
 from services.observability import tracing
@@ -101,6 +102,9 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                 raise InvalidRequest(
                     f"handle.num_tokens: {h.num_tokens} must be in 1..{len(req.prompt_token_ids)}"
                     " (the prompt's tokens)")
+            problem = tp_problem(int(h.prefill_tp) or 1, self.worker.fingerprint.num_kv_heads)
+            if problem:
+                raise InvalidRequest(f"handle.prefill_tp: {problem}")
             block_size = self.worker.fingerprint.block_size
             if h.first_block * block_size >= h.num_tokens:
                 raise InvalidRequest(
@@ -117,8 +121,9 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         h = req.handle
         epoch = self.worker.identity.epoch
         if h.decode_epoch == epoch:
-            return {"kv_transfer_params": RecvParams(h.transfer_id, h.num_tokens, req.fault,
-                                                     first_block=h.first_block).to_params()}
+            return {"kv_transfer_params": RecvParams(
+                h.transfer_id, h.num_tokens, req.fault, first_block=h.first_block,
+                prefill_tp=int(h.prefill_tp) or 1).to_params()}
         stale = (f"stale transfer handle {h.transfer_id}: its KV was sent to epoch "
                  f"{h.decode_epoch} of this worker, which restarted (epoch {epoch})")
         KV_FAILURES.labels(self.policy).inc()

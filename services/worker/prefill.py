@@ -2,7 +2,9 @@
 prompt's KV to the decode worker named in the request (the connector does the
 shipping, layer by layer, during the forward pass). The blocks of the prompt's first
 `reuse_tokens`, which the decode worker holds already, stay here (`services.kv.reuse`);
-the transfer handle names the first block shipped."""
+the transfer handle names the first block shipped. At tensor-parallel size N each rank
+ships its KV heads to the decode worker's ranks that hold them (`target.kv_addresses`),
+and the handle names N, so each decode rank knows which pieces to wait for."""
 
 from __future__ import annotations
 
@@ -85,7 +87,8 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
         first = self._first_block(req)
         kv_params = SendParams(req.transfer_id, t.kv_address, t.kv_transport, int(t.epoch),
                                t.fingerprint_digest, req.fault, same_host=t.same_host,
-                               first_block=first).to_params()
+                               first_block=first,
+                               kv_addresses=tuple(t.kv_addresses)).to_params()
         params = vllm_params(sampling, 1, extra_args={"kv_transfer_params": kv_params},
                              resume_tokens=req.generated_tokens)
         prompt = list(req.prompt_token_ids)
@@ -113,6 +116,7 @@ class PrefillServicer(wpb_grpc.PrefillServiceServicer):
                 prefill_epoch=self.worker.identity.epoch, num_tokens=len(prompt),
                 decode_epoch=t.epoch, prefill_start_wall=start_wall,
                 prefill_done_wall=done_wall, lora_name=req.lora_name, first_block=first,
+                prefill_tp=self.worker.engine.config.tensor_parallel_size,
             ),
             logprobs=wire.logprobs_pb(delta.logprobs),
         )

@@ -21,8 +21,8 @@ from services.engine.config import EngineConfig, cpu_only
 from services.engine.engine import Engine
 from services.kv.fingerprint import LayoutFingerprint
 from services.kv.layout import fingerprint_of
-from services.kv.settings import TRANSPORT_DEFAULTS, KVSettings
-from services.kv.tp_layout import LayoutRefused, kv_workers_tp_problem
+from services.kv.settings import TRANSPORT_DEFAULTS, KVSettings, rank_port_file
+from services.kv.tp_layout import LayoutRefused, kv_heads_per_rank, kv_workers_tp_problem
 from services.registry.heartbeat import vllm_load
 from services.registry.records import WorkerRecord
 from services.security.tls import TLSFiles
@@ -93,7 +93,9 @@ class Worker:
     config: WorkerConfig
     engine: Engine
     fingerprint: LayoutFingerprint
-    kv_address: str
+    kv_address: str  # decode: the first rank's KV receiver ("" on prefill)
+    # decode: every rank's KV receiver, in rank order (the first is `kv_address`)
+    kv_addresses: tuple[str, ...] = ()
     # The engine's KV cache events, served to routers by WatchKVEvents (None: off)
     kv_events: EventRelay | None = None
 
@@ -113,7 +115,7 @@ class Worker:
         if problem:  # before a minute of engine start-up, not after
             raise LayoutRefused(f"{role} worker: {problem}")
         identity = WorkerIdentity.new(role, config.worker_id)
-        address = ""
+        addresses: list[str] = []
         # The events tell routers which blocks the engine holds; without a prefix cache
         # it holds none worth routing to.
         relay = (EventRelay() if config.kv_events and engine_cfg.enable_prefix_caching
@@ -131,11 +133,13 @@ class Worker:
                 if relay is not None:
                     relay.close()
                 raise
-            if role == "decode":
+            if role == "decode":  # each rank's receiver wrote its port before the start
                 host = config.kv_advertise_host or local_host(config.kv_host)
-                address = f"{host}:{Path(port_file).read_text().strip()}"
-        return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config), address,
-                   relay)
+                addresses = [
+                    f"{host}:{Path(rank_port_file(port_file, rank)).read_text().strip()}"
+                    for rank in range(tp)]
+        return cls(identity, config, engine, fingerprint_of(engine.llm.vllm_config),
+                   addresses[0] if addresses else "", tuple(addresses), relay)
 
     def record(self, address: str, metrics_port: int = 0,
                metrics_address: str = "") -> WorkerRecord:
@@ -151,7 +155,9 @@ class Worker:
             capacity=self.engine.config.max_num_seqs, model=facts.name,
             max_model_len=facts.max_model_len, vocab_size=facts.vocab_size, dtype=facts.dtype,
             tp=self.engine.config.tensor_parallel_size,
-            kv_heads=self.fingerprint.num_kv_heads, block_size=self.fingerprint.block_size,
+            kv_heads=kv_heads_per_rank(self.engine.config.tensor_parallel_size,
+                                       self.fingerprint.num_kv_heads),
+            block_size=self.fingerprint.block_size, kv_addresses=self.kv_addresses,
             kv_events=self.kv_events is not None,
             load=vllm_load(int(llm.get_num_queued_tokens())), updated=time.time(),
             pid=os.getpid(), loras=tuple(self.engine.adapter_paths().items()),
@@ -169,7 +175,8 @@ class Worker:
             model=facts.name, max_model_len=facts.max_model_len, vocab_size=facts.vocab_size,
             kv_load_failure_policy=self.config.kv_load_failure_policy,
             host=socket.gethostname(), capacity=self.engine.config.max_num_seqs,
-            dtype=facts.dtype, lora_adapters=[
+            dtype=facts.dtype, kv_addresses=list(self.kv_addresses),
+            tp=self.engine.config.tensor_parallel_size, lora_adapters=[
                 pb.LoraAdapter(name=name, parent=facts.name, path=path)
                 for name, path in self.engine.adapter_paths().items()],
         )

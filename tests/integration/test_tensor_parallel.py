@@ -1,15 +1,24 @@
 """Tensor parallelism through pdserve's own commands, with a tiny random-weight Llama the
 test creates (4 heads, 2 KV heads): a colocated engine at TP=2 gives the greedy tokens of
-one at TP=1, its two ranks each bound to a core of their own; `serve --mode disagg` at
-TP=1 serves the same model folder with the same tokens; and where KV would have to move
-between tensor-parallel workers, the disaggregated commands refuse at once, in words.
+one at TP=1, its two ranks each bound to a core of their own; and `serve --mode disagg`
+with a prefill worker at TP=a feeding a decode worker at TP=b, for (a, b) in (1, 1),
+(2, 1), (1, 2), (2, 2), gives the colocated TP=1 engine's tokens from KV moved between
+the two layouts (each prefill rank ships its heads to the decode ranks that hold them),
+through shared memory, and for two uneven pairs over torch and NIXL;
+and when the decode worker of a (2, 1) pair is killed mid-answer, its streams move to the
+prefill worker, an engine of another TP size, and end as the colocated engine's.
+`pdserve up` pairs a prefill worker at TP=1 with a decode worker at TP=2 through the
+registry (its record lists a KV receiver per rank).
 
-On a 2-core machine the two engines share the cores (the TP=1 engine on core 1, the TP=2
-engine's ranks on cores 0 and 1): oversubscribed, which changes speed, not results."""
+On a 2-core machine the engines share the cores (the TP=1 engine on core 1, the TP=2
+engine's ranks on cores 0 and 1; a disaggregated worker at TP=2 puts both its ranks on
+its one core): oversubscribed, which changes speed, not results."""
 
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -17,9 +26,14 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.v1 import generate_pb2 as pb
 from services.api.client import PdserveClient, build_request
-from tests.helpers.servers import DisaggStack, ServerProcess
+from tests.helpers.prompts import prompt_of_length
+from tests.helpers.servers import DisaggStack, ServerProcess, stop_group
+from tests.helpers.streams import streams_through
 from tests.helpers.tiny_llama import make_tiny_llama
+from tests.integration.test_failover_local import listener_pid
+from tests.integration.test_launcher import Up
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -63,18 +77,50 @@ async def engines(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
             server.stop()
 
 
-async def greedy(server: ServerProcess, prompt: str) -> list[tuple[int, list[float]]]:
-    """Each generated token with the top-2 log-probabilities at its position."""
-    out = []
-    async with PdserveClient(server.target) as client:
-        call = client.call(build_request(text=prompt, temperature=0.0, max_tokens=MAX_TOKENS,
-                                         ignore_eos=True, logprobs=2), timeout=120)
+async def greedy_final(server: ServerProcess | str, prompt: str | list[int],
+                       max_tokens: int = MAX_TOKENS
+                       ) -> tuple[list[tuple[int, list[float]]], pb.Final]:
+    """Each generated token with the top-2 log-probabilities at its position, and the
+    final message."""
+    out, final = [], pb.Final()
+    what = {"text": prompt} if isinstance(prompt, str) else {"token_ids": prompt}
+    target = server if isinstance(server, str) else server.target
+    async with PdserveClient(target) as client:
+        call = client.call(build_request(**what, temperature=0.0,  # type: ignore[arg-type]
+                                         max_tokens=max_tokens, ignore_eos=True,
+                                         logprobs=2), timeout=240)
         async for response in call:
             if response.HasField("chunk"):
                 for token, lp in zip(response.chunk.token_ids, response.chunk.logprobs,
                                      strict=True):
                     out.append((token, sorted((t.logprob for t in lp.top), reverse=True)))
-    return out
+            elif response.HasField("final"):
+                final = response.final
+    return out, final
+
+
+async def greedy(server: ServerProcess, prompt: str) -> list[tuple[int, list[float]]]:
+    return (await greedy_final(server, prompt))[0]
+
+
+def assert_same_greedy(one: list[tuple[int, list[float]]], two: list[tuple[int, list[float]]],
+                       what: str) -> None:
+    """`two` gives the greedy tokens of `one` (the reference); a flip is accepted only at a
+    near-tie, and only the first difference counts: after it the two continue from
+    different prefixes."""
+    assert len(one) == len(two) == MAX_TOKENS
+    tokens_one, tokens_two = [t for t, _ in one], [t for t, _ in two]
+    if tokens_one == tokens_two:
+        for (_, lp1), (_, lp2) in zip(one, two, strict=True):
+            assert abs(lp1[0] - lp2[0]) < NEAR_TIE  # same distribution, not just same argmax
+        return
+    first = next(i for i, (a, b) in enumerate(zip(tokens_one, tokens_two, strict=True))
+                 if a != b)
+    top = one[first][1]
+    gap = top[0] - top[1]
+    print(f"{what}: tokens differ from position {first}; top-2 gap there {gap:.2e}")
+    assert gap < NEAR_TIE, f"{what}: position {first}: the reference chose with a margin " \
+        f"of {gap:.2e}"
 
 
 async def test_tp2_runs_two_ranks_each_on_its_own_core(
@@ -90,39 +136,125 @@ async def test_tp2_runs_two_ranks_each_on_its_own_core(
 async def test_colocated_tp2_gives_the_greedy_tokens_of_tp1(
         engines: dict[int, ServerProcess], prompt: str) -> None:
     one, two = await asyncio.gather(greedy(engines[1], prompt), greedy(engines[2], prompt))
-    assert len(one) == len(two) == MAX_TOKENS
-    tokens_one, tokens_two = [t for t, _ in one], [t for t, _ in two]
-    if tokens_one == tokens_two:
-        for (_, lp1), (_, lp2) in zip(one, two, strict=True):
-            assert abs(lp1[0] - lp2[0]) < NEAR_TIE  # same distribution, not just same argmax
-        return
-    # A flip is accepted only at a near-tie, and only the first difference counts:
-    # after it the two continue from different prefixes.
-    first = next(i for i, (a, b) in enumerate(zip(tokens_one, tokens_two, strict=True))
-                 if a != b)
-    top = one[first][1]
-    gap = top[0] - top[1]
-    print(f"{prompt!r}: tokens differ from position {first}; top-2 gap there {gap:.2e}")
-    assert gap < NEAR_TIE, f"position {first}: TP=1 chose with a margin of {gap:.2e}"
+    assert_same_greedy(one, two, f"colocated TP=2, {prompt!r}")
 
 
-@pytest.fixture(scope="module")
-async def disagg(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-                 ) -> AsyncIterator[DisaggStack]:
-    stack = DisaggStack.create(tmp_path_factory.mktemp("tp-disagg") / "disagg.log", "grpc",
-                               "--model", str(tiny_model), "--max-model-len", "512")
+# (prefill TP, decode TP, KV transport): the four pairs over the default route (the two
+# workers share the host: shared memory), and two uneven pairs over the network
+# transports that keep their own connections per rank pair (shared memory off).
+DISAGG_PAIRS = [(1, 1, "grpc"), (2, 1, "grpc"), (1, 2, "grpc"), (2, 2, "grpc"),
+                (2, 1, "torch"), (1, 2, "nixl")]
+
+
+@pytest.fixture(scope="module", params=DISAGG_PAIRS,
+                ids=[f"prefill_tp{a}-decode_tp{b}-{kind}" for a, b, kind in DISAGG_PAIRS])
+async def disagg(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory,
+                 request: pytest.FixtureRequest) -> AsyncIterator[DisaggStack]:
+    a, b, kind = request.param
+    # The 'fail' policy: a KV load that went wrong fails the request instead of being
+    # recomputed into the right tokens, which would hide it.
+    stack = DisaggStack.create(
+        tmp_path_factory.mktemp("tp-disagg") / f"disagg-{a}-{b}-{kind}.log", kind,
+        "--model", str(tiny_model), "--max-model-len", "512", "--prefill-tp", str(a),
+        "--decode-tp", str(b), "--kv-load-failure-policy", "fail",
+        *(("--no-kv-shm",) if kind != "grpc" else ()))
     async with stack.server.running(timeout=600):
         yield stack
 
 
-async def test_disagg_tp1_on_any_model_folder_gives_the_colocated_tokens(
+# The prompt KV each request moved, by prompt, as the first pair shipped it: every pair
+# must move the same bytes (each head once, whatever the split).
+SHIPPED: dict[str, int] = {}
+
+
+async def test_disagg_between_tp_layouts_gives_the_colocated_tokens(
         engines: dict[int, ServerProcess], disagg: DisaggStack) -> None:
-    """`--model PATH` through `serve --mode disagg`: prefill TP=1 -> decode TP=1 on the
-    tiny model, token for token what the colocated TP=1 engine gives."""
+    """`--model PATH` through `serve --mode disagg --prefill-tp a --decode-tp b`: token
+    for token (or a near-tie flip) what the colocated TP=1 engine gives, with the prompt's
+    KV loaded from the transfer, all of it."""
+    log = disagg.server.log_path.read_text(errors="replace")
     for prompt in PROMPTS:
-        colocated_tokens = [t for t, _ in await greedy(engines[1], prompt)]
-        disagg_tokens = [t for t, _ in await greedy(disagg.server, prompt)]
-        assert disagg_tokens == colocated_tokens, prompt
+        reference = await greedy(engines[1], prompt)
+        got, final = await greedy_final(disagg.server, prompt)
+        assert_same_greedy(reference, got, f"disagg {disagg.server.log_path.name}, {prompt!r}")
+        shipped = final.timings.kv_transfer_bytes
+        assert shipped > 0 and final.timings.kv_prompt_bytes == shipped, (
+            final, disagg.server.log_tail(80))
+        assert SHIPPED.setdefault(prompt, shipped) == shipped, (prompt, SHIPPED, shipped)
+    assert "KV load for" not in log  # no load failed, none was recomputed
+
+
+@pytest.fixture(scope="module")
+async def up_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> AsyncIterator[Up]:
+    """`pdserve up` (Ray, redis-server, the workers as actors) with a prefill worker at
+    TP=1 and a decode worker at TP=2, each on its own core."""
+    stack = Up(tmp_path_factory.mktemp("tp-up"), "--model", str(tiny_model),
+               "--max-model-len", "512", "--prefill-tp", "1", "--decode-tp", "2",
+               "--kv-load-failure-policy", "fail")
+    try:
+        async with PdserveClient(f"127.0.0.1:{stack.port}") as client:
+            await client.wait_ready(timeout=900)
+        await stack.wait_until(lambda rs: len(rs) == 2, 120, "both workers to register")
+        yield stack
+    finally:
+        stop_group(stack.proc, timeout=120)
+
+
+async def test_up_pairs_workers_of_different_tp_sizes_through_the_registry(
+        engines: dict[int, ServerProcess], up_stack: Up) -> None:
+    """The decode worker's record names a KV receiver per rank; the router hands them to
+    the prefill worker, whose one rank ships each decode rank its head: the colocated
+    tokens, from KV loaded whole."""
+    records = {r.role: r for r in await up_stack.records()}
+    decode, prefill = records["decode"], records["prefill"]
+    assert (decode.tp, decode.kv_heads, len(decode.kv_addresses)) == (2, 1, 2)
+    assert decode.kv_addresses[0] == decode.kv_address
+    assert (prefill.tp, prefill.kv_heads, prefill.kv_addresses) == (1, 2, ())
+    assert prefill.fingerprint == decode.fingerprint  # the model's layout, not a rank's
+    for prompt in PROMPTS:
+        reference = await greedy(engines[1], prompt)
+        got, final = await greedy_final(f"127.0.0.1:{up_stack.port}", prompt)
+        assert_same_greedy(reference, got, f"up 1->2, {prompt!r}")
+        shipped = final.timings.kv_transfer_bytes
+        assert shipped > 0 and final.timings.kv_prompt_bytes == shipped, final
+        assert SHIPPED.setdefault(prompt, shipped) == shipped, (prompt, SHIPPED, shipped)
+
+
+@pytest.fixture(scope="module")
+async def killable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
+                   ) -> AsyncIterator[DisaggStack]:
+    """A pair of its own (the test kills its decode worker): prefill at TP=2, decode at
+    TP=1."""
+    stack = DisaggStack.create(tmp_path_factory.mktemp("tp-kill") / "disagg.log", "grpc",
+                               "--model", str(tiny_model), "--max-model-len", "512",
+                               "--prefill-tp", "2", "--decode-tp", "1")
+    async with stack.server.running(timeout=600):
+        yield stack
+
+
+async def test_a_killed_decode_worker_moves_its_streams_to_a_worker_of_another_tp_size(
+        engines: dict[int, ServerProcess], killable: DisaggStack, tokenizer) -> None:  # type: ignore[no-untyped-def]
+    """The decode worker (TP=1) is SIGKILLed mid-answer: every stream moves to the prefill
+    worker (a full engine at TP=2) and ends with the colocated TP=1 engine's tokens (a
+    flip only at a near-tie)."""
+    prompts = [prompt_of_length(tokenizer, n, salt=f"tp crash {n}") for n in (50, 300)]
+    n = 40
+    decode_pid = listener_pid(killable.decode_port)
+    results = await streams_through(killable.server, prompts, n,
+                                    lambda: os.killpg(decode_pid, signal.SIGKILL))
+    for ids, (tokens, moved) in zip(prompts, results, strict=True):
+        assert moved >= 1
+        want, _ = await greedy_final(engines[1], ids, n)
+        want_tokens = [t for t, _ in want]
+        if tokens == want_tokens:
+            continue
+        first = next(i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True))
+                     if a != b)
+        top = want[first][1]
+        print(f"moved stream: tokens differ from position {first}; top-2 gap there "
+              f"{top[0] - top[1]:.2e}")
+        assert top[0] - top[1] < NEAR_TIE
 
 
 def refuse(tiny_model: Path, *argv: str) -> subprocess.CompletedProcess[str]:
@@ -130,20 +262,16 @@ def refuse(tiny_model: Path, *argv: str) -> subprocess.CompletedProcess[str]:
                            str(tiny_model)], capture_output=True, text=True, timeout=120)
 
 
-@pytest.mark.parametrize("argv", [
-    ("serve", "--mode", "disagg", "--prefill-tp", "2"),
-    ("serve", "--mode", "disagg", "--decode-tp", "2"),
-    ("serve", "--mode", "disagg", "--tensor-parallel-size", "2"),
-    ("up", "--prefill-tp", "2", "--decode-tp", "1"),
-    ("decode", "--tensor-parallel-size", "2"),
+@pytest.mark.parametrize(("argv", "words"), [
+    (("serve", "--mode", "disagg", "--prefill-tp", "3"), "do not split over 3 ranks"),
+    (("serve", "--mode", "disagg", "--decode-tp", "3"), "do not split over 3 ranks"),
 ])
-def test_kv_workers_with_tp_refuse_before_starting_engines(tiny_model: Path,
-                                                           argv: tuple[str, ...]) -> None:
+def test_a_tp_the_model_cannot_split_is_refused_before_starting_engines(
+        tiny_model: Path, argv: tuple[str, ...], words: str) -> None:
     done = refuse(tiny_model, *argv)
     assert done.returncode == 1, done.stdout + done.stderr
-    assert "not supported yet" in done.stderr and "--mode colocated" in done.stderr
+    assert words in done.stderr, done.stderr
     assert "starting vLLM engine" not in done.stdout + done.stderr
-    assert "Ray runtime started" not in done.stdout + done.stderr
 
 
 def test_a_multi_gpu_worker_actor_holds_one_gpu_bundle_per_rank_for_its_ranks() -> None:

@@ -1,7 +1,7 @@
 """The chart's tensor-parallel values (prefill/decode.tensorParallelSize), rendered by the
 real Helm engine (tests/integration/test_helm_chart.py runs it in a child process): each
-role's engine gets its size, GPU pods one GPU per rank, and a layout the workers would
-refuse at start is refused when the chart renders."""
+role's engine gets its size, GPU pods one GPU per rank, a tensor-parallel decode pod one KV port
+per rank, and a layout the workers would refuse at start is refused when the chart renders."""
 
 from __future__ import annotations
 
@@ -64,10 +64,39 @@ def test_a_gpu_count_that_is_not_one_per_rank_is_refused() -> None:
         render(values)
 
 
-@pytest.mark.parametrize("role", ["prefill", "decode"])
-def test_tensor_parallel_kv_workers_are_refused_at_render(role: str) -> None:
-    with pytest.raises(HelmFailure, match=f"{role}.tensorParallelSize 2: .*not supported yet"):
-        render({role: {"tensorParallelSize": 2}})
+def test_a_tensor_parallel_decode_pod_opens_a_kv_port_per_rank() -> None:
+    # Each decode rank runs its own KV receiver on ports.kv + rank: the pod declares them
+    # and the network policies let prefill pods reach all of them, and no other.
+    objects = render({"prefill": {"tensorParallelSize": 2}, "decode": {"tensorParallelSize": 2}})
+    cms = config_maps(objects)
+    for role in ("prefill", "decode"):
+        assert cms[f"{FULLNAME}-{role}"]["PDSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    container = pod(objects, "decode")["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports["kv"] == 14579 and ports["kv-rank1"] == 14580
+    kv_rules = [port for o in objects if o["kind"] == "NetworkPolicy"
+                for rule in o["spec"].get("ingress", []) + o["spec"].get("egress", [])
+                for port in rule.get("ports", []) if port.get("port") == 14579]
+    assert kv_rules and all(p.get("endPort") == 14580 for p in kv_rules)
+    one = render({})
+    assert all("endPort" not in port for o in one if o["kind"] == "NetworkPolicy"
+               for rule in o["spec"].get("ingress", []) + o["spec"].get("egress", [])
+               for port in rule.get("ports", []))
+
+
+def test_gpu_images_refuse_prefill_and_decode_of_different_sizes() -> None:
+    values = scenario_values("gpu")
+    for role in ("prefill", "decode"):
+        del values[role]["resources"]["limits"]["nvidia.com/gpu"]
+    render({**values, "prefill": {**values["prefill"], "tensorParallelSize": 2},
+            "decode": {**values["decode"], "tensorParallelSize": 2}})
+    with pytest.raises(HelmFailure, match="on GPU images prefill and decode need one size"):
+        render({**values, "prefill": {**values["prefill"], "tensorParallelSize": 2}})
+
+
+def test_a_port_among_the_decode_ranks_kv_ports_is_refused() -> None:
+    with pytest.raises(HelmFailure, match=r"decode\.ports\.metrics .* among the KV ports"):
+        render({"decode": {"tensorParallelSize": 2, "ports": {"kv": 9399}}})
 
 
 def test_the_schema_refuses_a_size_below_one() -> None:

@@ -234,8 +234,17 @@ password from its Secret, expanded by the kubelet) and the extra variables.
 {{- end -}}
 {{- range $role := list "prefill" "decode" -}}
 {{- $tp := int (get $.Values $role).tensorParallelSize -}}
-{{- if gt $tp 1 -}}
-{{- fail (printf "%s.tensorParallelSize %d: moving KV between tensor-parallel workers is not supported yet (a worker's KV transfer carries one rank's heads); use 1 for prefill and decode" $role $tp) -}}
+{{- if and (eq $role "decode") (eq $.Values.image.flavor "cuda") (ne $tp (int $.Values.prefill.tensorParallelSize)) -}}
+{{- fail (printf "prefill.tensorParallelSize %d and decode.tensorParallelSize %d: on GPU images prefill and decode need one size for now (KV moves between different sizes on CPU caches; GPU cache layouts are not checked yet)" (int $.Values.prefill.tensorParallelSize) $tp) -}}
+{{- end -}}
+{{- if eq $role "decode" -}}
+{{- /* Each decode rank runs its own KV receiver, on ports.kv + its rank. */ -}}
+{{- $kv := int $.Values.decode.ports.kv -}}
+{{- range $name, $port := $.Values.decode.ports -}}
+{{- if and (ne $name "kv") (ge (int $port) $kv) (lt (int $port) (add $kv $tp)) -}}
+{{- fail (printf "decode.ports.%s (%d) falls among the KV ports of the decode ranks (%d-%d: ports.kv + rank, tensorParallelSize %d): move one of them" $name (int $port) $kv (sub (add $kv $tp) 1) $tp) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 {{- $gpus := index ((get $.Values $role).resources.limits | default dict) "nvidia.com/gpu" -}}
 {{- $want := mul $tp (ternary (int (get $.Values.kuberay.actorsPerPod $role)) 1 $.Values.kuberay.enabled) -}}

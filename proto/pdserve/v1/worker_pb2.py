@@ -25,39 +25,39 @@ _sym_db = _symbol_database.Default()
 from pdserve.v1 import generate_pb2 as pdserve_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x16\n\x14GetWorkerInfoRequest\"\xed\x02\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1a\n\x12\x66ingerprint_digest\x18\x04 \x01(\t\x12\x18\n\x10\x66ingerprint_json\x18\x05 \x01(\t\x12\x12\n\nkv_address\x18\x06 \x01(\t\x12\x14\n\x0ckv_transport\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x1e\n\x16kv_load_failure_policy\x18\x0b \x01(\t\x12\x0c\n\x04host\x18\x0c \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12.\n\rlora_adapters\x18\x0f \x03(\x0b\x32\x17.pdserve.v1.LoraAdapter\"\x85\x01\n\x08KVTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x14\n\x0ckv_transport\x18\x04 \x01(\t\x12\x1a\n\x12\x66ingerprint_digest\x18\x05 \x01(\t\x12\x11\n\tsame_host\x18\x06 \x01(\x08\"\xe0\x01\n\x0eTransferHandle\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x15\n\rprefill_epoch\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x05 \x01(\x04\x12\x19\n\x11prefill_done_wall\x18\x06 \x01(\x01\x12\x1a\n\x12prefill_start_wall\x18\x07 \x01(\x01\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\"\xf9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\r\n\x05\x66\x61ult\x18\x06 \x01(\t\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x14\n\x0creuse_tokens\x18\t \x01(\r\"\xae\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12*\n\x06handle\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferHandle\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tprefill_s\x18\t \x01(\x01\x12\x15\n\rcached_tokens\x18\n \x01(\r\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\xeb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12*\n\x06handle\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.TransferHandle\x12\r\n\x05\x66\x61ult\x18\x06 \x01(\t\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\"\x16\n\x14WatchKVEventsRequest\"3\n\x15WatchKVEventsResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x0c*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xf7\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12V\n\rWatchKVEvents\x12 .pdserve.v1.WatchKVEventsRequest\x1a!.pdserve.v1.WatchKVEventsResponse0\x01\x32\xf9\x03\n\rDecodeService\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12Z\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a#.pdserve.v1.LoadLoraAdapterResponse\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponse\x12V\n\rWatchKVEvents\x12 .pdserve.v1.WatchKVEventsRequest\x1a!.pdserve.v1.WatchKVEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17pdserve/v1/worker.proto\x12\npdserve.v1\x1a\x19pdserve/v1/generate.proto\"\x16\n\x14GetWorkerInfoRequest\"\x8f\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12$\n\x04role\x18\x02 \x01(\x0e\x32\x16.pdserve.v1.WorkerRole\x12\r\n\x05\x65poch\x18\x03 \x01(\x04\x12\x1a\n\x12\x66ingerprint_digest\x18\x04 \x01(\t\x12\x18\n\x10\x66ingerprint_json\x18\x05 \x01(\t\x12\x12\n\nkv_address\x18\x06 \x01(\t\x12\x14\n\x0ckv_transport\x18\x07 \x01(\t\x12\r\n\x05model\x18\x08 \x01(\t\x12\x15\n\rmax_model_len\x18\t \x01(\r\x12\x12\n\nvocab_size\x18\n \x01(\r\x12\x1e\n\x16kv_load_failure_policy\x18\x0b \x01(\t\x12\x0c\n\x04host\x18\x0c \x01(\t\x12\x10\n\x08\x63\x61pacity\x18\r \x01(\r\x12\r\n\x05\x64type\x18\x0e \x01(\t\x12.\n\rlora_adapters\x18\x0f \x03(\x0b\x32\x17.pdserve.v1.LoraAdapter\x12\x14\n\x0ckv_addresses\x18\x10 \x03(\t\x12\n\n\x02tp\x18\x11 \x01(\r\"\x9b\x01\n\x08KVTarget\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x04\x12\x12\n\nkv_address\x18\x03 \x01(\t\x12\x14\n\x0ckv_transport\x18\x04 \x01(\t\x12\x1a\n\x12\x66ingerprint_digest\x18\x05 \x01(\t\x12\x11\n\tsame_host\x18\x06 \x01(\x08\x12\x14\n\x0ckv_addresses\x18\x07 \x03(\t\"\xf4\x01\n\x0eTransferHandle\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\x12\x19\n\x11prefill_worker_id\x18\x02 \x01(\t\x12\x15\n\rprefill_epoch\x18\x03 \x01(\x04\x12\x12\n\nnum_tokens\x18\x04 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_epoch\x18\x05 \x01(\x04\x12\x19\n\x11prefill_done_wall\x18\x06 \x01(\x01\x12\x1a\n\x12prefill_start_wall\x18\x07 \x01(\x01\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x13\n\x0b\x66irst_block\x18\t \x01(\r\x12\x12\n\nprefill_tp\x18\n \x01(\r\"\xf9\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12$\n\x06target\x18\x04 \x01(\x0b\x32\x14.pdserve.v1.KVTarget\x12\x13\n\x0btransfer_id\x18\x05 \x01(\t\x12\r\n\x05\x66\x61ult\x18\x06 \x01(\t\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\x12\x14\n\x0creuse_tokens\x18\t \x01(\r\"\xae\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12\x18\n\x10\x66irst_token_text\x18\x02 \x01(\t\x12*\n\x08logprobs\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.TokenLogprob\x12\x10\n\x08\x66inished\x18\x04 \x01(\x08\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_reason\x18\x06 \x01(\t\x12*\n\x06handle\x18\x07 \x01(\x0b\x32\x1a.pdserve.v1.TransferHandle\x12\x0f\n\x07queue_s\x18\x08 \x01(\x01\x12\x11\n\tprefill_s\x18\t \x01(\x01\x12\x15\n\rcached_tokens\x18\n \x01(\r\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\"\x11\n\x0fReleaseResponse\"\xeb\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x16\n\x0e\x66irst_token_id\x18\x03 \x01(\x05\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12*\n\x06handle\x18\x05 \x01(\x0b\x32\x1a.pdserve.v1.TransferHandle\x12\r\n\x05\x66\x61ult\x18\x06 \x01(\t\x12\x18\n\x10generated_tokens\x18\x07 \x01(\r\x12\x11\n\tlora_name\x18\x08 \x01(\t\"\x16\n\x14WatchKVEventsRequest\"3\n\x15WatchKVEventsResponse\x12\x0b\n\x03seq\x18\x01 \x01(\x03\x12\r\n\x05\x62\x61tch\x18\x02 \x01(\x0c*Z\n\nWorkerRole\x12\x1b\n\x17WORKER_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13WORKER_ROLE_PREFILL\x10\x01\x12\x16\n\x12WORKER_ROLE_DECODE\x10\x02\x32\xf7\x01\n\x0ePrefillService\x12\x42\n\x07Prefill\x12\x1a.pdserve.v1.PrefillRequest\x1a\x1b.pdserve.v1.PrefillResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12V\n\rWatchKVEvents\x12 .pdserve.v1.WatchKVEventsRequest\x1a!.pdserve.v1.WatchKVEventsResponse0\x01\x32\xf9\x03\n\rDecodeService\x12\x43\n\x06\x44\x65\x63ode\x12\x19.pdserve.v1.DecodeRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x42\n\x07Release\x12\x1a.pdserve.v1.ReleaseRequest\x1a\x1b.pdserve.v1.ReleaseResponse\x12I\n\rGetWorkerInfo\x12 .pdserve.v1.GetWorkerInfoRequest\x1a\x16.pdserve.v1.WorkerInfo\x12Z\n\x0fLoadLoraAdapter\x12\".pdserve.v1.LoadLoraAdapterRequest\x1a#.pdserve.v1.LoadLoraAdapterResponse\x12`\n\x11UnloadLoraAdapter\x12$.pdserve.v1.UnloadLoraAdapterRequest\x1a%.pdserve.v1.UnloadLoraAdapterResponse\x12V\n\rWatchKVEvents\x12 .pdserve.v1.WatchKVEventsRequest\x1a!.pdserve.v1.WatchKVEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_WORKERROLE']._serialized_start=1751
-  _globals['_WORKERROLE']._serialized_end=1841
+  _globals['_WORKERROLE']._serialized_start=1827
+  _globals['_WORKERROLE']._serialized_end=1917
   _globals['_GETWORKERINFOREQUEST']._serialized_start=66
   _globals['_GETWORKERINFOREQUEST']._serialized_end=88
   _globals['_WORKERINFO']._serialized_start=91
-  _globals['_WORKERINFO']._serialized_end=456
-  _globals['_KVTARGET']._serialized_start=459
-  _globals['_KVTARGET']._serialized_end=592
-  _globals['_TRANSFERHANDLE']._serialized_start=595
-  _globals['_TRANSFERHANDLE']._serialized_end=819
-  _globals['_PREFILLREQUEST']._serialized_start=822
-  _globals['_PREFILLREQUEST']._serialized_end=1071
-  _globals['_PREFILLRESPONSE']._serialized_start=1074
-  _globals['_PREFILLRESPONSE']._serialized_end=1376
-  _globals['_RELEASEREQUEST']._serialized_start=1378
-  _globals['_RELEASEREQUEST']._serialized_end=1415
-  _globals['_RELEASERESPONSE']._serialized_start=1417
-  _globals['_RELEASERESPONSE']._serialized_end=1434
-  _globals['_DECODEREQUEST']._serialized_start=1437
-  _globals['_DECODEREQUEST']._serialized_end=1672
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=1674
-  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=1696
-  _globals['_WATCHKVEVENTSRESPONSE']._serialized_start=1698
-  _globals['_WATCHKVEVENTSRESPONSE']._serialized_end=1749
-  _globals['_PREFILLSERVICE']._serialized_start=1844
-  _globals['_PREFILLSERVICE']._serialized_end=2091
-  _globals['_DECODESERVICE']._serialized_start=2094
-  _globals['_DECODESERVICE']._serialized_end=2599
+  _globals['_WORKERINFO']._serialized_end=490
+  _globals['_KVTARGET']._serialized_start=493
+  _globals['_KVTARGET']._serialized_end=648
+  _globals['_TRANSFERHANDLE']._serialized_start=651
+  _globals['_TRANSFERHANDLE']._serialized_end=895
+  _globals['_PREFILLREQUEST']._serialized_start=898
+  _globals['_PREFILLREQUEST']._serialized_end=1147
+  _globals['_PREFILLRESPONSE']._serialized_start=1150
+  _globals['_PREFILLRESPONSE']._serialized_end=1452
+  _globals['_RELEASEREQUEST']._serialized_start=1454
+  _globals['_RELEASEREQUEST']._serialized_end=1491
+  _globals['_RELEASERESPONSE']._serialized_start=1493
+  _globals['_RELEASERESPONSE']._serialized_end=1510
+  _globals['_DECODEREQUEST']._serialized_start=1513
+  _globals['_DECODEREQUEST']._serialized_end=1748
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_start=1750
+  _globals['_WATCHKVEVENTSREQUEST']._serialized_end=1772
+  _globals['_WATCHKVEVENTSRESPONSE']._serialized_start=1774
+  _globals['_WATCHKVEVENTSRESPONSE']._serialized_end=1825
+  _globals['_PREFILLSERVICE']._serialized_start=1920
+  _globals['_PREFILLSERVICE']._serialized_end=2167
+  _globals['_DECODESERVICE']._serialized_start=2170
+  _globals['_DECODESERVICE']._serialized_end=2675
 # @@protoc_insertion_point(module_scope)

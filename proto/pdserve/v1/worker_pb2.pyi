@@ -22,7 +22,7 @@ class GetWorkerInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy", "host", "capacity", "dtype", "lora_adapters")
+    __slots__ = ("worker_id", "role", "epoch", "fingerprint_digest", "fingerprint_json", "kv_address", "kv_transport", "model", "max_model_len", "vocab_size", "kv_load_failure_policy", "host", "capacity", "dtype", "lora_adapters", "kv_addresses", "tp")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -38,6 +38,8 @@ class WorkerInfo(_message.Message):
     CAPACITY_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     LORA_ADAPTERS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    TP_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: WorkerRole
     epoch: int
@@ -53,26 +55,30 @@ class WorkerInfo(_message.Message):
     capacity: int
     dtype: str
     lora_adapters: _containers.RepeatedCompositeFieldContainer[_generate_pb2.LoraAdapter]
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ..., host: _Optional[str] = ..., capacity: _Optional[int] = ..., dtype: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[_generate_pb2.LoraAdapter, _Mapping]]] = ...) -> None: ...
+    kv_addresses: _containers.RepeatedScalarFieldContainer[str]
+    tp: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[_Union[WorkerRole, str]] = ..., epoch: _Optional[int] = ..., fingerprint_digest: _Optional[str] = ..., fingerprint_json: _Optional[str] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., model: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., kv_load_failure_policy: _Optional[str] = ..., host: _Optional[str] = ..., capacity: _Optional[int] = ..., dtype: _Optional[str] = ..., lora_adapters: _Optional[_Iterable[_Union[_generate_pb2.LoraAdapter, _Mapping]]] = ..., kv_addresses: _Optional[_Iterable[str]] = ..., tp: _Optional[int] = ...) -> None: ...
 
 class KVTarget(_message.Message):
-    __slots__ = ("worker_id", "epoch", "kv_address", "kv_transport", "fingerprint_digest", "same_host")
+    __slots__ = ("worker_id", "epoch", "kv_address", "kv_transport", "fingerprint_digest", "same_host", "kv_addresses")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_DIGEST_FIELD_NUMBER: _ClassVar[int]
     SAME_HOST_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     epoch: int
     kv_address: str
     kv_transport: str
     fingerprint_digest: str
     same_host: bool
-    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., same_host: _Optional[bool] = ...) -> None: ...
+    kv_addresses: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., epoch: _Optional[int] = ..., kv_address: _Optional[str] = ..., kv_transport: _Optional[str] = ..., fingerprint_digest: _Optional[str] = ..., same_host: _Optional[bool] = ..., kv_addresses: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TransferHandle(_message.Message):
-    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall", "lora_name", "first_block")
+    __slots__ = ("transfer_id", "prefill_worker_id", "prefill_epoch", "num_tokens", "decode_epoch", "prefill_done_wall", "prefill_start_wall", "lora_name", "first_block", "prefill_tp")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     PREFILL_EPOCH_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +88,7 @@ class TransferHandle(_message.Message):
     PREFILL_START_WALL_FIELD_NUMBER: _ClassVar[int]
     LORA_NAME_FIELD_NUMBER: _ClassVar[int]
     FIRST_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_TP_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     prefill_worker_id: str
     prefill_epoch: int
@@ -91,7 +98,8 @@ class TransferHandle(_message.Message):
     prefill_start_wall: float
     lora_name: str
     first_block: int
-    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ..., lora_name: _Optional[str] = ..., first_block: _Optional[int] = ...) -> None: ...
+    prefill_tp: int
+    def __init__(self, transfer_id: _Optional[str] = ..., prefill_worker_id: _Optional[str] = ..., prefill_epoch: _Optional[int] = ..., num_tokens: _Optional[int] = ..., decode_epoch: _Optional[int] = ..., prefill_done_wall: _Optional[float] = ..., prefill_start_wall: _Optional[float] = ..., lora_name: _Optional[str] = ..., first_block: _Optional[int] = ..., prefill_tp: _Optional[int] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "target", "transfer_id", "fault", "generated_tokens", "lora_name", "reuse_tokens")

@@ -41,8 +41,12 @@ RDMA, TCP, or cross-process memory access on one host):
   receiver or sender, saying what to install.
 * Why NIXL is a transport under pdserve's one connector rather than vLLM's own
   NixlConnector: docs/kv-transports.md. VRAM registration runs only on a GPU machine
-  (`make gpu-check`). Not done yet: different tensor-parallel sizes on the two sides.
-"""
+  (`make gpu-check`).
+
+Between tensor-parallel layouts a transport moves pieces: each is a transfer of its own
+(its id `tp_layout.piece_transfer_id`, its heads in `TransferSpec.head_start/head_stop`)
+from one prefill rank's sender to one decode rank's receiver, so nothing here depends on
+the two sides' sizes."""
 
 from __future__ import annotations
 

@@ -182,6 +182,8 @@ def spec_to_dict(spec: TransferSpec) -> dict[str, Any]:
         "receiver_fingerprint": spec.receiver_fingerprint,
         "lora": spec.lora,
         "first_block": spec.first_block,
+        "head_start": spec.head_start,
+        "head_stop": spec.head_stop,
     }
 
 
@@ -200,6 +202,8 @@ def spec_from_dict(d: dict[str, Any]) -> TransferSpec:
             receiver_fingerprint=field(d, "receiver_fingerprint", str),
             lora=field(d, "lora", str) if "lora" in d else "",
             first_block=field(d, "first_block", int) if "first_block" in d else 0,
+            head_start=field(d, "head_start", int) if "head_start" in d else 0,
+            head_stop=field(d, "head_stop", int) if "head_stop" in d else 0,
         )
     except ValueError as e:
         raise FrameError(f"bad transfer spec: {e}") from None

@@ -31,6 +31,11 @@ class TransferSpec:
     # decode worker holds them in its prefix cache). The consumer refuses a transfer
     # whose first block is not the one its request expects.
     first_block: int = 0
+    # The model's KV heads [head_start, head_stop) the payload holds, in that order along
+    # its head axis: a piece of a transfer between tensor-parallel layouts
+    # (`tp_layout.kv_pieces`). (0, 0): every head of a sender at TP=1.
+    head_start: int = 0
+    head_stop: int = 0
 
     def __post_init__(self) -> None:
         if not self.transfer_id or len(self.transfer_id) > 256:
@@ -43,6 +48,8 @@ class TransferSpec:
             raise ValueError(f"num_tokens must be >= 0, got {self.num_tokens}")
         if self.first_block < 0:
             raise ValueError(f"first_block must be >= 0, got {self.first_block}")
+        if not 0 <= self.head_start <= self.head_stop:
+            raise ValueError(f"heads {self.head_start}..{self.head_stop} are not a range")
 
     @property
     def layer_nbytes(self) -> int:

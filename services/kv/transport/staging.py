@@ -26,6 +26,7 @@ import grpc
 import torch
 
 from services.kv.fingerprint import PeerIdentity
+from services.kv.tp_layout import base_transfer_id
 from services.kv.transport import checksum
 from services.kv.transport.frames import DataFrame, FrameError, byte_view
 from services.kv.transport.slab_pool import SlabPool
@@ -164,7 +165,7 @@ class StagingTable:
             raise Refused(f"unknown checksum algorithm {algorithm!r} (this receiver knows {known})")
         need = spec.total_nbytes
         with self._cond:
-            if spec.transfer_id in self._gone:
+            if self._is_gone(spec.transfer_id):
                 raise Refused(self._released(spec.transfer_id))
             old = self._items.get(spec.transfer_id)
             if old is not None and old.state is not ReceiveState.FAILED:
@@ -197,7 +198,7 @@ class StagingTable:
         with self._cond:
             # Released while its buffers were being made (the lock was not held): a
             # record made now would wait out its lease in staging.
-            released = spec.transfer_id in self._gone
+            released = self._is_gone(spec.transfer_id)
             if released:
                 self._staged_bytes -= need
             else:
@@ -208,6 +209,10 @@ class StagingTable:
             pool.put(slab)  # never handed to a writer: safe to reuse
             raise Refused(self._released(spec.transfer_id))
         return st
+
+    def _is_gone(self, transfer_id: str) -> bool:
+        """Released: the transfer, or the one it is a piece of (caller holds the lock)."""
+        return transfer_id in self._gone or base_transfer_id(transfer_id) in self._gone
 
     @staticmethod
     def _released(transfer_id: str) -> str:
@@ -374,19 +379,24 @@ class StagingTable:
         kv.layers, kv.storage = [], None
 
     def discard(self, transfer_id: str) -> None:
-        """Drop a transfer nobody will take, in any state, now; for one lease its id is
-        refused, so a sender that has not started yet (or still sends) is turned away."""
+        """Drop a transfer nobody will take, in any state, now, with its pieces; for one
+        lease its id (and its pieces') is refused, so a sender that has not started yet (or
+        still sends) is turned away."""
         with self._cond:
             self._gone[transfer_id] = self._clock() + self.config.lease_s
-            st = self._items.pop(transfer_id, None)
-            if st is not None:
+            # A transfer's pieces (between tensor-parallel layouts) go with it.
+            ids = [t for t in self._items
+                   if t == transfer_id or base_transfer_id(t) == transfer_id]
+            for tid in ids:
+                st = self._items.pop(tid)
                 if st.state is ReceiveState.COMPLETE and st.slab is not None and st.pool:
                     st.pool.put(st.slab)  # its writer is done: safe to reuse
                     st.slab = None
                 if st.state is ReceiveState.RECEIVING:
-                    st.state, st.error = ReceiveState.FAILED, self._released(transfer_id)
+                    st.state, st.error = ReceiveState.FAILED, self._released(tid)
                     st.released = True
                 self._drop(st)
+            if ids:
                 self._cond.notify_all()
 
     def wait(self, transfer_id: str, timeout: float) -> ReceiveState:
