@@ -5,6 +5,7 @@ through crashes, hangs, a Redis kill and poisoned cluster state."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -122,6 +123,19 @@ class Up:
         finally:
             await registry.close()
 
+    @contextlib.asynccontextmanager
+    async def serving(self, workers: int = 2) -> AsyncIterator[Up]:
+        """The stack once it answers and `workers` workers registered; its whole process
+        group is stopped when the block ends (a module fixture's teardown)."""
+        try:
+            async with PdserveClient(f"127.0.0.1:{self.port}") as client:
+                await client.wait_ready(timeout=900)
+            await self.wait_until(lambda rs: len(rs) == workers, 120,
+                                  f"the {workers} workers to register")
+            yield self
+        finally:
+            stop_group(self.proc, timeout=120)
+
     async def wait_until(self, predicate: Callable[[list[WorkerRecord]], bool],
                          timeout: float, what: str) -> list[WorkerRecord]:
         deadline = time.monotonic() + timeout
@@ -154,13 +168,8 @@ class Up:
 @pytest.fixture(scope="module")
 async def up(session_dir: Path, model_path: Path) -> AsyncIterator[Up]:
     stack = Up(session_dir)
-    try:
-        async with PdserveClient(f"127.0.0.1:{stack.port}") as client:
-            await client.wait_ready(timeout=900)
-        await stack.wait_until(lambda rs: len(rs) == 2, 120, "both workers to register")
-        yield stack
-    finally:
-        stop_group(stack.proc, timeout=120)
+    async with stack.serving() as running:
+        yield running
 
 
 async def generate(up: Up, tokenizer, salt: str, tokens: int = 3):  # type: ignore[no-untyped-def]

@@ -29,7 +29,7 @@ import pytest
 from pdserve.v1 import generate_pb2 as pb
 from services.api.client import PdserveClient, build_request
 from tests.helpers.prompts import prompt_of_length
-from tests.helpers.servers import DisaggStack, ServerProcess, stop_group
+from tests.helpers.servers import DisaggStack, ServerProcess
 from tests.helpers.streams import streams_through
 from tests.helpers.tiny_llama import make_tiny_llama
 from tests.integration.test_failover_local import listener_pid
@@ -192,13 +192,8 @@ async def up_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
     stack = Up(tmp_path_factory.mktemp("tp-up"), "--model", str(tiny_model),
                "--max-model-len", "512", "--prefill-tp", "1", "--decode-tp", "2",
                "--kv-load-failure-policy", "fail")
-    try:
-        async with PdserveClient(f"127.0.0.1:{stack.port}") as client:
-            await client.wait_ready(timeout=900)
-        await stack.wait_until(lambda rs: len(rs) == 2, 120, "both workers to register")
-        yield stack
-    finally:
-        stop_group(stack.proc, timeout=120)
+    async with stack.serving() as running:
+        yield running
 
 
 async def test_up_pairs_workers_of_different_tp_sizes_through_the_registry(

@@ -35,7 +35,6 @@ from services.registry.registry import Registry
 from services.registry.signing import RecordSigner
 from services.server.channels import free_port
 from tests.helpers.prompts import prompt_of_length
-from tests.helpers.servers import stop_group
 from tests.integration.test_launcher import Up
 
 
@@ -323,13 +322,8 @@ async def stack(session_dir: Path, model_path: Path) -> AsyncIterator[Up]:
     workdir = session_dir / "top-up"
     workdir.mkdir(exist_ok=True)
     up = Up(workdir)
-    try:
-        async with PdserveClient(f"127.0.0.1:{up.port}") as client:
-            await client.wait_ready(timeout=900)
-        await up.wait_until(lambda rs: len(rs) == 2, 120, "both workers to register")
-        yield up
-    finally:
-        stop_group(up.proc, timeout=120)
+    async with up.serving() as running:
+        yield running
 
 
 def sd_file(up: Up) -> Path:

@@ -20,7 +20,7 @@ import pytest
 
 from services.api.client import PdserveClient
 from services.registry.records import WorkerRecord
-from tests.helpers.servers import free_port, scrape, stop_group
+from tests.helpers.servers import free_port, scrape
 from tests.helpers.tiny_llama import make_tiny_llama
 from tests.integration.test_launcher import Up
 
@@ -71,13 +71,8 @@ async def up(tmp_path_factory: pytest.TempPathFactory, tiny_model: Path,
                      "--http-port", str(http_port), "--add-model",
                      f"model={tiny_model},name={TINY},prefill=1,decode=1,max_model_len=256")
     stack.http_port = http_port
-    try:
-        async with PdserveClient(f"127.0.0.1:{stack.port}") as client:
-            await client.wait_ready(timeout=900)
-        await stack.wait_until(lambda rs: len(rs) == 4, 120, "the four workers to register")
-        yield stack
-    finally:
-        stop_group(stack.proc, timeout=120)
+    async with stack.serving(4) as running:
+        yield running
 
 
 @pytest.fixture(scope="module")

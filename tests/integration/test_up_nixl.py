@@ -16,7 +16,7 @@ import pytest
 from services.api.client import PdserveClient
 from tests.conftest import REFERENCE_MAX_TOKENS
 from tests.helpers.prompts import TEXT_PROMPTS
-from tests.helpers.servers import scrape, stop_group
+from tests.helpers.servers import scrape
 from tests.integration.test_launcher import Up
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
@@ -29,13 +29,8 @@ async def up_nixl(session_dir: Path, model_path: Path) -> AsyncIterator[Up]:
     workdir = session_dir / "up-nixl"
     workdir.mkdir(exist_ok=True)
     stack = Up(workdir, "--kv-transport", "nixl", "--no-kv-shm")
-    try:
-        async with PdserveClient(f"127.0.0.1:{stack.port}") as client:
-            await client.wait_ready(timeout=900)
-        await stack.wait_until(lambda rs: len(rs) == 2, 120, "both workers to register")
-        yield stack
-    finally:
-        stop_group(stack.proc, timeout=120)
+    async with stack.serving() as running:
+        yield running
 
 
 async def test_greedy_output_matches_offline_vllm_over_nixl(
