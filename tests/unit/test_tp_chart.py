@@ -8,7 +8,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+import yaml
 
+from tests.helpers.doc_blocks import collect
 from tests.integration.test_helm_chart import (
     FULLNAME,
     HelmFailure,
@@ -92,6 +94,14 @@ def test_gpu_images_refuse_prefill_and_decode_of_different_sizes() -> None:
             "decode": {**values["decode"], "tensorParallelSize": 2}})
     with pytest.raises(HelmFailure, match="on GPU images prefill and decode need one size"):
         render({**values, "prefill": {**values["prefill"], "tensorParallelSize": 2}})
+
+
+def test_the_heterogeneous_values_of_the_kubernetes_guide_render() -> None:
+    (block,) = [b for b in collect()[0] if b.path == "docs/kubernetes.md" and b.lang == "yaml"
+                and "tensorParallelSize: 2" in b.text]
+    cms = config_maps(render(yaml.safe_load(block.text)))
+    assert cms[f"{FULLNAME}-prefill"]["PDSERVE_TENSOR_PARALLEL_SIZE"] == "2"
+    assert cms[f"{FULLNAME}-decode"]["PDSERVE_TENSOR_PARALLEL_SIZE"] == "1"
 
 
 def test_a_port_among_the_decode_ranks_kv_ports_is_refused() -> None:
