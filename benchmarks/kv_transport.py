@@ -18,6 +18,14 @@ copy is the producer's own, made for every transport, and is not timed); on one 
 picks cross-process memory access where ptrace rules allow it, TCP otherwise (`UCX_TLS`
 in the environment chooses).
 
+`--netns` runs the two processes on two hosts instead of one: network namespaces on a
+bridge (services/bench/netns.py; needs root and iproute2), the sender and the memcpy
+reference in one, the receiver in the other serving on its own address, so every byte
+crosses a veth link and the bridge as TCP. UCX would still reach the other process's
+memory directly (both namespaces share one kernel), so nixl is held to TCP over the hosts'
+link (`UCX_TLS=tcp`, `UCX_NET_DEVICES=eth0`) unless `UCX_TLS` is set already. Only
+transports that work between hosts are accepted (not shm).
+
 `--device cuda` (a GPU host) puts the layers in GPU memory and gives both ends the GPU
 (as `ipc_device` and `gpu`), so "shm" runs device to device over CUDA IPC and "nixl"
 registers GPU memory (VRAM) at both ends; the reference is then a
@@ -65,6 +73,36 @@ def with_tls(config: TransportConfig) -> TransportConfig:
     files = certs.internal_files(directory, "decode")
     return dataclasses.replace(config, tls_ca_file=str(files.ca),
                                tls_cert_file=str(files.cert), tls_key_file=str(files.key))
+
+
+def run_on_two_hosts(argv: list[str] | None) -> int:
+    """This benchmark again, with the same arguments, in a "prefill" host of a fresh
+    fabric of two, its receivers in the "decode" host serving on that host's address."""
+    import subprocess
+
+    from services.bench.netns import Fabric, unavailable
+
+    reason = unavailable()
+    if reason is not None:
+        raise SystemExit(f"--netns: network namespaces are not available here: {reason}")
+    rest = [a for a in (sys.argv[1:] if argv is None else argv) if a != "--netns"]
+    env = dict(os.environ)
+    if "UCX_TLS" not in env:  # TCP over the link, as between two machines (see above)
+        env.update(UCX_TLS="tcp", UCX_NET_DEVICES="eth0")
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).resolve().parents[1]), env.get("PYTHONPATH", "")) if p)
+    fabric = Fabric.create(["prefill", "decode"])
+    try:
+        cmd = [*fabric.prefix("prefill"), sys.executable, str(Path(__file__).resolve()),
+               *rest, "--receiver-netns", fabric.hosts["decode"].ns,
+               "--receiver-host", fabric.addr("decode")]
+        rc = subprocess.run(cmd, env=env).returncode
+        # Read from outside the hosts: proof that the KV crossed the link, not memory.
+        print(f"the decode host's link received {fabric.link_bytes('decode')[1] / 1e6:.0f} "
+              "MB in all")
+        return rc
+    finally:
+        fabric.close()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,8 +160,17 @@ def main(argv: list[str] | None = None) -> int:
                    help="where the layers live: cuda (a GPU host) sends them from GPU memory "
                    "and runs shm device to device over CUDA IPC; the reference is then a "
                    "copy on the GPU (default cpu)")
+    p.add_argument("--netns", action="store_true",
+                   help="sender and receiver on two hosts (network namespaces on a bridge; "
+                   "needs root): the KV crosses a link as TCP")
+    # Set by --netns for the run inside the sender's host: the receiver's namespace and
+    # address.
+    p.add_argument("--receiver-netns", default="", help=argparse.SUPPRESS)
+    p.add_argument("--receiver-host", default="127.0.0.1", help=argparse.SUPPRESS)
     p.add_argument("--json", type=Path, default=None, help="also write the results here")
     args = p.parse_args(argv)
+    if args.netns and "shm" in args.transports.split(","):
+        p.error("--netns: shm moves KV within one host only; leave it out of --transports")
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA GPU here")
     preload = os.environ.get("LD_PRELOAD", "")
@@ -133,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
         rest = sys.argv[1:] if argv is None else argv
         os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *rest])
     allocator = "tcmalloc" if "tcmalloc" in wanted else "glibc malloc"
+    if args.netns:
+        return run_on_two_hosts(argv)
 
     torch.set_num_threads(1)
     shape = tuple(int(x) for x in args.shape.split(","))
@@ -153,18 +202,22 @@ def main(argv: list[str] | None = None) -> int:
     sums: dict[str, Any] = {name: {"times_s": times} for name, times in
                             measure_checksums(layers, max(args.rounds, 5)).items()}
     tls_config = with_tls(config) if args.tls else None
+    where = {"host": args.receiver_host, "netns": args.receiver_netns}
     for kind in args.transports.split(","):
         results[kind] = measure_transport(kind, layers, config, args.rounds,
-                                          args.warmup).as_dict()
+                                          args.warmup, **where).as_dict()
         if tls_config is not None and kind in ("grpc", "torch"):
             results[f"{kind}+tls"] = measure_transport(kind, layers, tls_config, args.rounds,
-                                                       args.warmup).as_dict()
+                                                       args.warmup, **where).as_dict()
 
     ref = nbytes / statistics.median(results["memcpy"]["times_s"]) / 1e9
     gb_moved = nbytes / 1e9
+    between = (f"between two hosts (receiver at {args.receiver_host}, UCX_TLS="
+               f"{os.environ.get('UCX_TLS', 'default')})" if args.receiver_netns
+               else "on loopback")
     print(
         f"payload {nbytes / 1e6:.1f} MB: {args.layers} layers x {shape} {args.dtype}; "
-        f"on {device}; median of {args.rounds} rounds; {allocator}; "
+        f"on {device}; {between}; median of {args.rounds} rounds; {allocator}; "
         f"load average {os.getloadavg()[0]:.1f} "
         f"on {os.cpu_count()} cores"
     )
@@ -209,6 +262,9 @@ def main(argv: list[str] | None = None) -> int:
             "checksum": args.checksum,
             "allocator": allocator,
             "device": device,
+            "receiver_host": args.receiver_host,
+            "two_hosts": bool(args.receiver_netns),
+            "ucx_tls": os.environ.get("UCX_TLS", ""),
             "torch": torch.__version__,
         }
         args.json.write_text(json.dumps({"meta": meta, "results": results}, indent=2))

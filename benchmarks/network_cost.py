@@ -118,8 +118,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
             context = (await client.model_info()).max_model_len
         lengths = [args.tokens, context - args.max_tokens]
         per_mode = (args.warmup + args.rounds * len(lengths) * len(args.rates))
-        with tqdm(total=per_mode * len(OVERLAP), desc="network cost") as bar:
-            for overlap in OVERLAP:
+        with tqdm(total=per_mode * len(args.overlap), desc="network cost") as bar:
+            for overlap in args.overlap:
                 if overlap == "off":
                     stack.stop("prefill")
                     stack.start_worker("prefill", *prefill_args, "--no-kv-layerwise")
@@ -205,8 +205,11 @@ def cli() -> None:
                         help="link rates, Gbit/s")
     parser.add_argument("--delay-ms", type=float, default=0.0,
                         help="link delay each way (only where the kernel has netem)")
-    parser.add_argument("--transport", choices=["grpc", "torch"], default="grpc",
+    parser.add_argument("--transport", choices=["grpc", "torch", "nixl"], default="grpc",
                         help="how the KV travels to the decode worker")
+    parser.add_argument("--overlap", nargs="+", choices=OVERLAP, default=list(OVERLAP),
+                        help="layer-wise shipping modes to measure, in this order "
+                        "(default: on off)")
     parser.add_argument("--json", default="", help="write the summary here as JSON")
     parser.add_argument("--plot", default="", help="write the exposed shares here (PNG)")
     args = parser.parse_args()

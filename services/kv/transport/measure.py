@@ -16,13 +16,19 @@ and CPU). `measure_copy` and
 `measure_checksums` time the references a transport is compared with: one copy of the
 same bytes, and each checksum algorithm over them.
 
+The receiver serves on loopback unless given a `host` address; with `netns` it first joins
+that network namespace, so that the bytes cross a link between two hosts
+(`benchmarks/kv_transport.py --netns`).
+
 `pdserve plan profile` measures the planner's transports with this; so does
 `benchmarks/kv_transport.py`, which prints and plots them.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing as mp
+import os
 import resource
 import statistics
 import time
@@ -104,14 +110,34 @@ def cpu_seconds() -> float:
     return r.ru_utime + r.ru_stime
 
 
-def _receiver_main(kind: str, config: TransportConfig, conn: Connection) -> None:
+CLONE_NEWNET = 0x40000000  # from <sched.h>
+
+
+def enter_netns(name: str) -> None:
+    """Move this thread (and the threads it starts from now on) into the network namespace
+    `name` (as `ip netns add` names it); needs root."""
+    fd = os.open(f"/var/run/netns/{name}", os.O_RDONLY)
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns into network namespace {name}: {os.strerror(err)} "
+                          "(run as root)")
+    finally:
+        os.close(fd)
+
+
+def _receiver_main(kind: str, config: TransportConfig, conn: Connection,
+                   host: str = "127.0.0.1", netns: str = "") -> None:
     """Child process: serve, and hand back each transfer's timing when asked."""
+    if netns:  # before anything starts a thread or opens a socket
+        enter_netns(netns)
     torch.set_num_threads(1)
     if config.ipc_device:
         torch.cuda.set_device(torch.device(config.ipc_device))
     rx_kind = "grpc" if kind == "shm" else kind
     rx = make_receiver(rx_kind, PeerIdentity("bench-decode", 1, FINGERPRINT), config,
-                       "127.0.0.1", 0)
+                       host, 0)
     conn.send(rx.address)
     while True:
         msg = conn.recv()
@@ -138,12 +164,15 @@ def _receiver_main(kind: str, config: TransportConfig, conn: Connection) -> None
 
 
 def measure_transport(kind: str, layers: list[torch.Tensor], config: TransportConfig,
-                      rounds: int, warmup: int) -> TransportRun:
+                      rounds: int, warmup: int, host: str = "127.0.0.1",
+                      netns: str = "") -> TransportRun:
     """``warmup`` untimed rounds, then ``rounds`` timed ones, of ``kind`` ("grpc", "torch"
-    or "shm") to a receiver in a spawned process; raises when a round fails."""
+    or "shm") to a receiver in a spawned process, serving on `host` (in the network
+    namespace `netns` where given); raises when a round fails."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(kind, config, child), daemon=True)
+    proc = ctx.Process(target=_receiver_main, args=(kind, config, child, host, netns),
+                       daemon=True)
     proc.start()
     address = parent.recv()
     me = PeerIdentity("bench-prefill", 1, FINGERPRINT)
