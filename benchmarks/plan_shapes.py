@@ -111,12 +111,16 @@ def main() -> None:
                    help="SLOs (default: ttft=2, tpot=0.05)")
     p.add_argument("--also-slo", action="append", default=None, metavar="NAME=SECONDS",
                    help="the second SLO family (default: ttft=2, itl=0.1)")
+    p.add_argument("--recipes", nargs="+", default=None, metavar="TEXT",
+                   help="only the recipes whose source names one of these (e.g. llm-d)")
     p.add_argument("--json", default="bench-results/plan/shapes.json", help="results")
     args = p.parse_args()
     slo = args.slo or ["ttft=2", "tpot=0.05"]
     also = args.also_slo or ["ttft=2", "itl=0.1"]
     out: dict[str, Any] = {"args": vars(args), "slo": slo, "also_slo": also, "results": []}
-    for recipe in RECIPES:
+    chosen = [r for r in RECIPES
+              if not args.recipes or any(t in r.source for t in args.recipes)]
+    for recipe in chosen:
         res = run(recipe, args.model, args.per_gpu_rates, args.duration, slo, also)
         out["results"].append(res)
         for family in ("slo", "also"):

@@ -57,6 +57,7 @@ FIGURES = (("ttft_p50_s", ("time_to_first_token", "p50"), ("ttft_s", "p50")),
            ("ttft_mean_s", ("time_to_first_token", "avg"), ("ttft_s", "mean")),
            ("itl_p50_s", ("inter_token_latency", "p50"), ("tpot_s", "p50")),
            ("itl_mean_s", ("inter_token_latency", "avg"), ("tpot_s", "mean")))
+PARTIAL_BLOCK_IDS = 1 << 40  # above every hash id of the trace
 UNITS = {"ms": 1e-3, "s": 1.0, "sec": 1.0, "us": 1e-6, "ns": 1e-9}  # AIPerf's, to seconds
 
 
@@ -71,24 +72,48 @@ def aiperf_trace(args: argparse.Namespace) -> tuple[list[dict[str, Any]], int]:
     records = sample_conversations(window(trace.records), args.conversations, args.seed)
     block = replay.lengths.block_tokens
     lines = []
-    for spec, rec in zip(replay.specs, records, strict=True):
+    for k, (spec, rec) in enumerate(zip(replay.specs, records, strict=True)):
         n = len(spec.prompt_ids)
+        ids = list(rec.hash_ids[:math.ceil(n / block)])
+        if n % block:
+            # AIPerf gives a hash id one block of one size: a prompt's partial last block
+            # gets an id of its own (no engine caches a partial block anyway).
+            ids[-1] = PARTIAL_BLOCK_IDS + k
         lines.append({"timestamp": round(1000 * (spec.at_s or 0.0)), "input_length": n,
-                      "output_length": spec.output_len,
-                      "hash_ids": list(rec.hash_ids[:math.ceil(n / block)])})
+                      "output_length": spec.output_len, "hash_ids": ids})
     return lines, block
+
+
+def local_hub(folder: Path, hub: Path) -> tuple[str, Path]:
+    """A model hub cache holding `folder` as the snapshot of a repo id, and that id.
+    AIPerf's offline mode looks tokenizers up by repo id in the hub cache only (a folder
+    path is taken for a malformed id), so the served model's own tokenizer is handed to it
+    as a cached repo: links to the folder's files, nothing copied or fetched."""
+    repo = f"local/{folder.name}"
+    root = hub / f"models--local--{folder.name}"
+    snapshot = root / "snapshots" / "local"
+    snapshot.mkdir(parents=True, exist_ok=True)
+    (root / "refs").mkdir(exist_ok=True)
+    (root / "refs" / "main").write_text("local")
+    for f in folder.iterdir():
+        link = snapshot / f.name
+        if f.is_file() and not link.exists():
+            link.symlink_to(f.resolve())
+    return repo, hub
 
 
 def run_aiperf(args: argparse.Namespace, base_url: str, trace_file: Path, block: int,
                out: Path, seed: int, tokenizer: str) -> dict[str, float]:
+    repo, hub = local_hub(Path(tokenizer), out.parent / "hub")
     cmd = [args.aiperf, "profile", "--url", base_url, "--endpoint-type", "completions",
-           "--streaming", "--model", args.model, "--tokenizer", tokenizer,
+           "--streaming", "--model", args.model, "--tokenizer", repo,
            "--input-file", str(trace_file), "--custom-dataset-type", "mooncake-trace",
            "--fixed-schedule", "--fixed-schedule-auto-offset", "--isl-block-size", str(block),
            "--extra-inputs", json.dumps({"ignore_eos": True}), "--random-seed", str(seed),
            "--ui-type", "none", "--artifact-dir", str(out)]
     # The tokenizer is a local folder: nothing needs the model hub.
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "HF_HUB_CACHE": str(hub)}
     with (out.parent / f"{out.name}.log").open("wb") as log:
         subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
                        timeout=args.run_timeout, env=env)
