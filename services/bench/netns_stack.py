@@ -30,6 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from services.api.client import PdserveClient
 from services.bench.netns import Fabric, stop_group
+from services.bench.procstats import scrape
 from services.registry.redis_server import write_private
 from services.security import certs
 from services.security.tls import TLSFiles
@@ -96,14 +97,7 @@ class NetStack:
     def metrics(self, host: str, **labels: str) -> dict[str, float]:
         """`host`'s Prometheus samples by name (labels dropped; with `labels`, only
         samples carrying them; first sample wins)."""
-        url = f"http://{self.fabric.addr(host)}:{METRICS_PORT}/metrics"
-        text = urllib.request.urlopen(url, timeout=5).read().decode()
-        out: dict[str, float] = {}
-        for family in text_string_to_metric_families(text):
-            for sample in family.samples:
-                if all(sample.labels.get(k) == v for k, v in labels.items()):
-                    out.setdefault(sample.name, sample.value)
-        return out
+        return scrape(METRICS_PORT, self.fabric.addr(host), **labels)
 
     def labelled(self, host: str, name: str, label: str) -> dict[str, float]:
         """The samples of metric `name` on `host`, by the value of `label`."""

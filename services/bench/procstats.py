@@ -31,6 +31,18 @@ class Sample:
     staged: dict[str, float] = field(default_factory=dict)  # "<worker>/<metric>" -> value
 
 
+def scrape(port: int, host: str = "127.0.0.1", **labels: str) -> dict[str, float]:
+    """Prometheus samples by name from host:port; with `labels`, only samples that
+    carry them (other labels dropped; first sample wins)."""
+    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if all(sample.labels.get(k) == v for k, v in labels.items()):
+                out.setdefault(sample.name, sample.value)
+    return out
+
+
 def scrape_samples(port: int, host: str = "127.0.0.1") -> list[tuple[str, float]]:
     """Every sample (name, value) of a Prometheus endpoint, labels dropped."""
     text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()

@@ -9,14 +9,12 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from services.bench.procstats import scrape
 from services.server.channels import free_port
 
 
@@ -102,16 +100,6 @@ def stop_group(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
         proc.wait()
 
 
-def scrape(port: int, host: str = "127.0.0.1", **labels: str) -> dict[str, float]:
-    """Prometheus samples by name from host:port; with `labels`, only samples that
-    carry them (other labels dropped; first sample wins)."""
-    text = urllib.request.urlopen(f"http://{host}:{port}/metrics", timeout=5).read().decode()
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if all(sample.labels.get(k) == v for k, v in labels.items()):
-                out.setdefault(sample.name, sample.value)
-    return out
 
 
 @dataclass
