@@ -4,10 +4,8 @@ server starts once per test session and every test shares it."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -118,14 +116,3 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     skip = pytest.mark.skip(reason="needs a CUDA GPU (`make gpu-check` on a GPU machine)")
     for item in gpu:
         item.add_marker(skip)
-
-
-@pytest.hookimpl(tryfirst=True)
-def pytest_runtest_setup(item: pytest.Item) -> None:
-    """Where a run is given an end (`PDSERVE_TEST_BUDGET_END`, seconds since the epoch, as
-    .ci/run gives the slow modules what is left of CI's time), a test not yet started by
-    then is skipped, before its fixtures start anything, and says how to run it."""
-    end = os.environ.get("PDSERVE_TEST_BUDGET_END")
-    if end and time.time() > float(end):
-        pytest.skip("not started: the run's time budget (PDSERVE_TEST_BUDGET_END) was "
-                    "spent; `make test-slow` runs it with no budget")

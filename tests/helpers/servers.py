@@ -56,7 +56,7 @@ class ServerProcess:
                 assert self.proc is not None
                 if self.proc.poll() is not None:
                     code = self.proc.returncode
-                    raise RuntimeError(f"server exited ({code}):\n{self.log_tail(80)}")
+                    raise RuntimeError(f"server exited ({code}):\n{self.log_tail(200)}")
                 try:
                     if await client.health(timeout=1.0) == "SERVING":
                         return

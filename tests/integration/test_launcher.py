@@ -27,6 +27,7 @@ from pdserve.v1 import generate_pb2 as pb
 from pdserve.v1 import worker_pb2 as wpb
 from pdserve.v1 import worker_pb2_grpc as wpb_grpc
 from services.api.client import PdserveClient
+from services.bench.procstats import scrape_samples
 from services.launcher.planning import decode_pages
 from services.launcher.scale import set_desired
 from services.plan.live import TrafficMeter
@@ -128,13 +129,33 @@ class Up:
         """The stack once it answers and `workers` workers registered; its whole process
         group is stopped when the block ends (a module fixture's teardown)."""
         try:
-            async with PdserveClient(f"127.0.0.1:{self.port}") as client:
-                await client.wait_ready(timeout=900)
+            await self.wait_serving(timeout=900)
             await self.wait_until(lambda rs: len(rs) == workers, 120,
                                   f"the {workers} workers to register")
             yield self
         finally:
             stop_group(self.proc, timeout=120)
+
+    async def wait_serving(self, timeout: float) -> None:
+        """Until the router says SERVING. A fresh stack restarts no actor on its way
+        there: an engine that fails to start (and would be restarted for as long as the
+        wait lasts) fails the wait at once, with the launcher's log, which carries the
+        actors' output."""
+        deadline = time.monotonic() + timeout
+        async with PdserveClient(f"127.0.0.1:{self.port}") as client:
+            while True:
+                assert self.proc.poll() is None, self.log.read_text(errors="replace")[-6000:]
+                with contextlib.suppress(OSError):
+                    restarts = sum(v for name, v in scrape_samples(self.supervisor_port)
+                                   if name == "pdserve_supervisor_restarts_total")
+                    assert not restarts, ("an actor was restarted before the stack served:\n"
+                                          + self.log.read_text(errors="replace")[-12000:])
+                with contextlib.suppress(TimeoutError):
+                    await client.wait_ready(timeout=5)
+                    return
+                assert time.monotonic() < deadline, (
+                    f"not SERVING after {timeout:.0f} s:\n"
+                    + self.log.read_text(errors="replace")[-6000:])
 
     async def wait_until(self, predicate: Callable[[list[WorkerRecord]], bool],
                          timeout: float, what: str) -> list[WorkerRecord]:
