@@ -60,6 +60,10 @@ KV_REUSE_FALLBACKS = Counter(
     "itself, the transfer unread, by reason (reused_prefix_gone: it no longer held the "
     "prefix the transfer left out)", ["reason"])
 FALLBACK_LOG_EVERY_S = 60.0  # a fallback is logged at most this often, with the count since
+# A decode leg whose first step comes this long after its prefill finished is logged with
+# where the time went (the router's hand-off, the KV's arrival, the engine's queue), so a
+# stall between a stream's first and second token can be told apart after the fact.
+SLOW_LEG_LOG_S = 5.0
 RELEASED = Counter("pdserve_kv_transfers_released", "transfers released by the router before "
                    "a Decode call took them (the request was cancelled, failed or moved)")
 
@@ -178,6 +182,8 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
                                       "policy is 'fail'; retry the request")
                 report = self._report(out) if req.HasField("handle") else None
                 delta.timings = self._timings(delta, report, req)
+                if req.HasField("handle"):
+                    slow_leg(req, received_wall, first_step_wall, report)
                 if span:
                     load = None if report is None else KVLoad(
                         report, self.worker.config.kv_transport, req.handle.prefill_worker_id,
@@ -344,6 +350,24 @@ class DecodeServicer(wpb_grpc.DecodeServiceServicer):
         return pb.UnloadLoraAdapterResponse(
             message=f"LoRA adapter {req.lora_name!r} unloaded on "
             f"{self.worker.identity.worker_id}")
+
+
+def slow_leg(req: wpb.DecodeRequest, received_wall: float, first_step_wall: float,
+             report: LoadReport | None) -> None:
+    """Log a transferred request whose decode leg started late, with its waits measured
+    from the end of its prefill (wall clocks: the prefill worker's and this one's)."""
+    done = req.handle.prefill_done_wall
+    if not done or first_step_wall - done < SLOW_LEG_LOG_S:
+        return
+    kv = "no KV loaded"
+    if report is not None and report.first_byte_wall:
+        kv = (f"KV first byte {report.first_byte_wall - done:+.2f} s, last byte "
+              f"{report.last_byte_wall - done:+.2f} s")
+    log.warning("request %s: first decode step %.2f s after its prefill finished: the "
+                "Decode call arrived at %+.2f s, %s, first step %.2f s after the call "
+                "(transfer %s from %s)", req.request_id, first_step_wall - done,
+                received_wall - done, kv, first_step_wall - received_wall,
+                req.handle.transfer_id, req.handle.prefill_worker_id)
 
 
 def decode_service(worker: Worker) -> Service:
