@@ -186,13 +186,37 @@ def result_key(args: argparse.Namespace, name: str) -> dict[str, Any]:
             "up_arg": args.up_arg}
 
 
+def comparable(key: dict[str, Any]) -> dict[str, Any]:
+    """A result key as --reuse compares it: the trace by its file name, so a run saved with
+    an absolute path is the same replay as one named relative to the checkout."""
+    replay = list(key.get("replay", []))
+    for i, flag in enumerate(replay[:-1]):
+        if flag == "--trace":
+            replay[i + 1] = Path(replay[i + 1]).name
+    return {**key, "replay": replay}
+
+
+def saved_result(args: argparse.Namespace, name: str, saved: Path) -> dict[str, Any] | None:
+    """The saved result of this very replay for --reuse, or None, saying why it will run."""
+    if not saved.exists():
+        print(f"--reuse: no saved result for {name} in {saved.parent}; running it",
+              file=sys.stderr)
+        return None
+    old = json.loads(saved.read_text())
+    mine, theirs = comparable(result_key(args, name)), comparable(old.get("key") or {})
+    if mine == theirs:
+        return dict(old)
+    differ = sorted(k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k))
+    print(f"--reuse: the saved result for {name} is another replay (differs in: "
+          f"{', '.join(differ)}); running it", file=sys.stderr)
+    return None
+
+
 async def one_config(args: argparse.Namespace, name: str, workdir: Path) -> dict[str, Any]:
     saved = workdir / name / "result.json"
     key = result_key(args, name)
-    if args.reuse and saved.exists():
-        old = json.loads(saved.read_text())
-        if old.get("key") == key:
-            return dict(old)
+    if args.reuse and (old := saved_result(args, name, saved)) is not None:
+        return old
     server = Server(args, name, workdir / name)
     runs: list[dict[str, Any]] = []
     try:
@@ -244,7 +268,9 @@ def reuse_bound(replay: Any) -> dict[str, Any]:
 
 
 def predictions(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any]:
-    """The planner's figures for each configuration on the replay's own requests."""
+    """The planner's figures for each configuration on the replay's own requests: their
+    send times, prompts (so that each engine's prefix cache finds what it holds) and turn
+    order, on the configuration's router, cores and engines."""
     from services.engine.config import CPU_STEP_BOUNDS
     from services.plan.costmodel import Profile
     from services.plan.predict import simulate
@@ -253,26 +279,28 @@ def predictions(args: argparse.Namespace, names: Sequence[str]) -> dict[str, Any
     profile = Profile.load(Path(args.profile))
     rep = window_replay(args)
     at = [s.at_s or 0.0 for s in rep.specs]
-    prompts = [len(s.prompt_ids) for s in rep.specs]
     outputs = [s.output_len for s in rep.specs]
+    reqs = planner_requests(at, [s.prompt_ids for s in rep.specs], outputs,
+                            [s.after for s in rep.specs])
     slos = parse_slos(args.slo)
     cores = args.cores or profile.units_total
     out: dict[str, Any] = {}
     steps = (CPU_STEP_BOUNDS["max_num_batched_tokens"],
              CPU_STEP_BOUNDS["long_prefill_token_threshold"])
-    fleets = fleet_configs(names, args.prefill, args.decode, cores, steps)
+    engine_kv = int(args.kv_cache_gib * 2**30 // profile.kv_bytes_per_token)
+    fleets = fleet_configs(names, args.prefill, args.decode, cores, steps, engine_kv)
     for name, fleet in fleets.items():
-        # Round robin finds reuse only by chance: the planner sees it with whole prompts.
-        cut = None if name == BASELINE else rep.reused_tokens
-        reqs = planner_requests(at, prompts, outputs, cut)
         pred = simulate(fleet, profile, reqs, [False] * len(reqs), rep.mean_rate, None, slos)
         s = pred.summary
-        out[name] = {"input": "whole prompts" if cut is None else "reused prefixes removed",
+        out[name] = {"routing": fleet.routing or "one engine",
                      "ttft_p50_s": s["ttft_s"]["p50"], "ttft_p99_s": s["ttft_s"]["p99"],
                      "tpot_p50_s": s["tpot_s"]["p50"], "goodput": s["goodput"],
-                     "goodput_share": s["goodput_share"]}
+                     "goodput_share": s["goodput_share"],
+                     "prompt_tokens_computed": pred.computed_tokens,
+                     "kv_bytes_shipped": pred.shipped_bytes if fleet.prefill else None}
     return {"profile": args.profile, "cores": cores, "predicted": out,
-            "reused_tokens": sum(rep.reused_tokens), "prompt_tokens": sum(prompts)}
+            "reused_tokens": sum(rep.reused_tokens),
+            "prompt_tokens": sum(len(s.prompt_ids) for s in rep.specs)}
 
 
 def _fmt(iv: dict[str, Any] | None, scale: float = 1.0, digits: int = 2) -> str:

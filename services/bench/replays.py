@@ -13,11 +13,15 @@ from typing import Any
 import numpy as np
 
 from services.plan.fleet import FleetConfig, PoolSpec, SimRequest
+from services.plan.prefix_cache import block_keys
 from services.traffic.intervals import interval
 
 COLOCATED = "colocated"  # one engine on every core: plain vLLM
 BASELINE = "round_robin"  # the configuration the ratios are taken to
 LOCAL_PREFILL_MAX_TOKENS = 256  # conditional's threshold, for the planner as for the router
+# The engines' KV block on CPU (vLLM's default there; the replay's block plan assumes it):
+# what a prefix cache holds and the router's index hashes.
+KV_BLOCK_TOKENS = 128
 
 COMPUTED = "vllm:prompt_tokens_by_source_total{source=local_compute}"
 DECODE = ("pdserve_kv_transfer_bytes_total", "pdserve_kv_prompt_bytes_total",
@@ -84,42 +88,61 @@ def summarize_config(runs: Sequence[dict[str, float | None]],
     return out
 
 
+# The router behind each configuration of `pdserve up` (the planner's routing.ROUTINGS);
+# conditional is precise with short prompts prefilled on the decode worker.
+ROUTING = {"round_robin": "round_robin", "approximate": "approximate", "precise": "precise",
+           "conditional": "precise"}
+
+
 def fleet_configs(names: Sequence[str], prefill: int, decode: int, cores: int,
-                  stack_steps: tuple[int, int] = (0, 0)) -> dict[str, FleetConfig]:
+                  stack_steps: tuple[int, int] = (0, 0), engine_kv_tokens: int = 0,
+                  block_tokens: int = KV_BLOCK_TOKENS) -> dict[str, FleetConfig]:
     """The planner's picture of each configuration on ``cores`` cores: colocated, one
-    engine on all of them at vLLM's own step budget (as `pdserve serve` runs it);
-    disaggregated, the launcher's split (first half of the cores prefill, second half
-    decode) with ``stack_steps`` = (max_num_batched_tokens, long_prefill_token_threshold)
-    as `pdserve up` bounds its engines' steps (0: the profile's). More workers than cores
-    in a pool cannot be drawn (the simulation has no time-sharing of a core): such a pool
-    is one engine per core."""
+    engine on all of them at vLLM's own step budget (as `pdserve serve` runs it) with the
+    KV cache of all the stack's engines together (``engine_kv_tokens`` each; 0: the
+    profile's, and the profile's for the colocated engine too); disaggregated, the launcher's
+    split (first half of the cores prefill, second half decode) with ``stack_steps`` =
+    (max_num_batched_tokens, long_prefill_token_threshold) as `pdserve up` bounds its
+    engines' steps (0: the profile's), routed by the configuration's router (``ROUTING``).
+    A pool with more workers than cores runs them time-sharing the cores, as the
+    launcher pins them; one with fewer gives each worker an equal part of them. Every
+    engine caches prefixes in blocks of ``block_tokens`` tokens (the engines' KV block)."""
     half = max(1, cores // 2)
     budget, threshold = stack_steps
 
     def pool(workers: int, pool_cores: int) -> PoolSpec:
-        engines = min(workers, pool_cores)
-        return PoolSpec(engines, pool_cores // engines, budget, threshold)
+        if workers > pool_cores:
+            if workers % pool_cores:
+                raise ValueError(f"{workers} workers cannot share {pool_cores} cores "
+                                 "evenly: give a multiple of the cores")
+            return PoolSpec(workers, 1, budget, threshold, kv_cache_tokens=engine_kv_tokens,
+                            share=workers // pool_cores)
+        return PoolSpec(workers, pool_cores // workers, budget, threshold,
+                        kv_cache_tokens=engine_kv_tokens)
 
     out: dict[str, FleetConfig] = {}
     for name in names:
         if name == COLOCATED:
-            out[name] = FleetConfig(name, PoolSpec(1, cores))
+            colocated = PoolSpec(1, cores, kv_cache_tokens=engine_kv_tokens * (prefill + decode))
+            out[name] = FleetConfig(name, colocated, block_tokens=block_tokens)
         else:
             local = LOCAL_PREFILL_MAX_TOKENS if name == "conditional" else 0
             out[name] = FleetConfig(name, pool(decode, cores - half), pool(prefill, half),
-                                    local_prefill_max_tokens=local)
+                                    local_prefill_max_tokens=local,
+                                    routing=ROUTING.get(name, "precise"),
+                                    block_tokens=block_tokens)
     return out
 
 
-def planner_requests(at_s: Sequence[float], prompts: Sequence[int], outputs: Sequence[int],
-                     reused: Sequence[int] | None) -> list[SimRequest]:
-    """The replay's requests for the simulation: send times and lengths, with the prefix
-    an earlier request sent taken off the prompt when ``reused`` is given (the planner
-    has no prefix cache; a router that finds every reused prefix leaves only the rest to
-    compute; at least one token is always computed, as vLLM does)."""
-    cut = reused or [0] * len(prompts)
-    return [SimRequest(float(t), max(1, p - c), o, "trace")
-            for t, p, o, c in zip(at_s, prompts, outputs, cut, strict=True)]
+def planner_requests(at_s: Sequence[float], prompts: Sequence[Sequence[int]],
+                     outputs: Sequence[int], after: Sequence[int | None] | None = None,
+                     block_tokens: int = KV_BLOCK_TOKENS) -> list[SimRequest]:
+    """The replay's requests for the simulation: send times, prompts (drawn as the keys
+    of their whole blocks, so each engine's prefix cache finds what it holds of them),
+    output lengths, and the earlier turn each follows (``after``; None: none)."""
+    follows = after or [None] * len(prompts)
+    return [SimRequest(float(t), len(p), o, "trace", block_keys(p, block_tokens), a)
+            for t, p, o, a in zip(at_s, prompts, outputs, follows, strict=True)]
 
 
 def rel_error(predicted: float | None, measured: float | None) -> float | None:

@@ -16,6 +16,12 @@ paged cache during that step (the step is longer by the copy's CPU, ``handoff_s`
 reports it at its end, and the scheduler schedules the request in the next step. An idle
 engine notices it at once (its empty polling steps cost next to nothing).
 
+With a prefix cache (``EngineSim.cache``, prefix_cache.py), a request admitted from the
+waiting queue first looks up its prompt's whole blocks there, as vLLM does when it
+schedules a request: the leading blocks found are context, not computed (at least one
+token is always computed), and every block a step completes is cached at the step's end.
+A shipped request's blocks are cached when its KV has loaded.
+
 Two simplifications, both exact while the KV cache is not the bottleneck: a request
 reserves KV for its whole length (prompt + output) when admitted, so nothing is ever
 preempted (vLLM admits on the prompt and preempts on overflow); and the engine's step
@@ -33,6 +39,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from services.plan.costmodel import StepCost, chunk_attention
+from services.plan.prefix_cache import PrefixCache
 
 
 @dataclass(slots=True, frozen=True)
@@ -62,6 +69,8 @@ class Job:
     out: int  # tokens this engine emits
     context: int = 0  # tokens already in its KV cache (a shipped request's prompt less one)
     handoff_s: float = 0.0  # stall added to the step that first schedules it
+    blocks: tuple[int, ...] = ()  # chained keys of the prompt's whole blocks (prefix_cache.py)
+    stored: int = 0  # of ``blocks``, those this engine holds for it
     computed: int = 0
     scheduled_at: float = -1.0  # when a step first scheduled it
     join: int = -1  # the step whose end emitted its first token here
@@ -93,6 +102,10 @@ class EngineSim:
     busy_s: float = 0.0
     landed: list[Job] = field(default_factory=list)  # shipped KV here, not yet noticed
     loading: list[Job] = field(default_factory=list)  # noticed by the step in flight
+    cache: PrefixCache | None = None  # None: no prefix caching
+    block_tokens: int = 0  # tokens one key of ``Job.blocks`` stands for
+    computed_tokens: int = 0  # prompt tokens computed here (vLLM's local_compute)
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache
 
     @property
     def running(self) -> int:
@@ -144,6 +157,7 @@ class EngineSim:
                 break  # head of line waits for KV room, as vLLM's FCFS queue does
             self.waiting.popleft()
             self.kv_used += job.length
+            self._reuse(job)
             self.prefilling.append(job)
             job.scheduled_at = now
             stall += job.handoff_s
@@ -180,6 +194,9 @@ class EngineSim:
             done.append(job)
         for job, chunk in self._sched:
             job.computed += chunk
+            self.computed_tokens += chunk
+            if self.block_tokens:
+                self._store(job, (job.context + job.computed) // self.block_tokens)
             if job.computed < job.prompt:
                 continue
             self.queued_tokens -= job.prompt
@@ -197,9 +214,29 @@ class EngineSim:
                 heapq.heappush(self._finish_heap, (job.finish, job.rid, job))
         self._sched = []
         for job in self.loading:  # reported loaded: the next step may schedule it
+            self._store(job, len(job.blocks))
             self.submit(job)
         self.loading = []
         return firsts, done
+
+    def _reuse(self, job: Job) -> None:
+        """A fresh prompt admitted: its leading blocks found in the cache become context."""
+        if self.cache is None or not job.blocks or job.context or job.computed:
+            return
+        found = self.cache.match(job.blocks)
+        cached = min(found * self.block_tokens, job.prompt - 1)
+        job.stored = found
+        if cached > 0:
+            job.prompt -= cached
+            job.context += cached
+            self.queued_tokens -= cached
+            self.cached_tokens += cached
+
+    def _store(self, job: Job, blocks: int) -> None:
+        """The job's first ``blocks`` blocks are in this engine's KV: cache them."""
+        if self.cache is not None and blocks > job.stored:
+            self.cache.insert(job.blocks[job.stored:blocks])
+            job.stored = blocks
 
     def token_times(self, job: Job) -> list[float]:
         """When each of the job's tokens left this engine (its steps' ends)."""

@@ -43,19 +43,19 @@ def to_records(results: list[SimResult], warmup: list[bool], label: str,
     computed by exactly the code that summarises a real run."""
     records = []
     for i, (res, warm) in enumerate(zip(results, warmup, strict=True)):
-        req = res.request
+        req, sent = res.request, res.sent_s  # a later turn is sent when the one before ends
         rec = RequestRecord(run=label, index=i, request_id=f"sim-{i}", kind=req.kind,
                             prompt_tokens=req.prompt, max_tokens=req.out,
-                            scheduled_s=req.send_s, warmup=warm, send_time=req.send_s)
+                            scheduled_s=sent, warmup=warm, send_time=sent)
         if res.ok:
-            rec.chunk_offsets = [t - req.send_s for t in res.token_times]
+            rec.chunk_offsets = [t - sent for t in res.token_times]
             rec.chunk_tokens = [1] * len(rec.chunk_offsets)
             rec.output_tokens, rec.ok = len(rec.chunk_offsets), True
-            rec.e2e_s = res.end_s - req.send_s
+            rec.e2e_s = res.end_s - sent
             rec.finish_reason = "length"
         else:
             end = horizon_s if horizon_s is not None else res.end_s
-            rec.e2e_s, rec.error_code = max(0.0, end - req.send_s), "DEADLINE_EXCEEDED"
+            rec.e2e_s, rec.error_code = max(0.0, end - sent), "DEADLINE_EXCEEDED"
         records.append(rec)
     return records
 
@@ -70,6 +70,8 @@ class Prediction:
     goodput_also: float | None = None  # goodput under the second SLO family, if any
     shipped_share: float = 0.0
     utilization: dict[str, float] = field(default_factory=dict)
+    computed_tokens: int = 0  # prompt tokens the engines computed (not cached, not shipped)
+    shipped_bytes: float = 0.0  # KV bytes the decode workers received
 
     def row(self) -> dict[str, Any]:
         s = self.summary
@@ -97,7 +99,8 @@ def simulate(cfg: FleetConfig, profile: Profile, requests: list[SimRequest],
     span = max((r.end_s for r in results), default=0.0)
     return Prediction(cfg.name, rate, summary,
                       summarize(records, also)["goodput"] if also else None,
-                      shipped / max(1, len(results)), fleet.utilization(span))
+                      shipped / max(1, len(results)), fleet.utilization(span),
+                      fleet.computed_tokens, fleet.shipped_bytes)
 
 
 def predict_all(configs: list[FleetConfig], profile: Profile, workload: WorkloadConfig,
@@ -128,7 +131,7 @@ def slo_attainment(results: list[SimResult], warmup: list[bool], slos: SLOs) -> 
     for res in measured:
         if not res.ok or not res.token_times:
             continue
-        ttft = res.token_times[0] - res.request.send_s
+        ttft = res.token_times[0] - res.sent_s
         n = res.request.out
         tpot = (res.token_times[-1] - res.token_times[0]) / (n - 1) if n > 1 else None
         if slos.ttft_s is not None and ttft > slos.ttft_s:

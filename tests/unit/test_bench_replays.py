@@ -116,32 +116,46 @@ def test_a_ratio_without_a_baseline_value_is_left_out() -> None:
 
 
 def test_the_planners_fleets_on_two_cores() -> None:
-    fleets = fleet_configs([COLOCATED, "round_robin", "conditional"], 2, 2, 2)
+    fleets = fleet_configs([COLOCATED, "round_robin", "approximate", "conditional"], 2, 2, 2,
+                           engine_kv_tokens=1000)
     assert fleets[COLOCATED].prefill is None and fleets[COLOCATED].decode.units == 2
+    # the colocated engine has the KV cache of the four engines together
+    assert fleets[COLOCATED].decode.kv_cache_tokens == 4000
     rr = fleets["round_robin"]
-    # two workers sharing one core are drawn as one engine on it (no time-sharing)
-    assert rr.prefill is not None and (rr.prefill.engines, rr.prefill.units) == (1, 1)
-    assert (rr.decode.engines, rr.decode.units) == (1, 1)
+    # two workers pinned to one core: two engines time-sharing it
+    assert rr.prefill is not None
+    assert (rr.prefill.engines, rr.prefill.units, rr.prefill.share) == (2, 1, 2)
+    assert (rr.decode.engines, rr.decode.units, rr.decode.share) == (2, 1, 2)
+    assert rr.units == 2 and rr.decode.kv_cache_tokens == 1000
     assert rr.local_prefill_max_tokens == 0
+    assert [fleets[n].routing for n in ("round_robin", "approximate", "conditional")] == [
+        "round_robin", "approximate", "precise"]
+    assert fleets[COLOCATED].routing == ""
     assert fleets["conditional"].local_prefill_max_tokens == 256
     assert rr.prefill.max_num_batched_tokens == 0  # the profile's budget unless given
     wide = fleet_configs([COLOCATED, "precise"], 2, 1, 8, (512, 256))
     precise = wide["precise"]
     assert precise.prefill is not None
-    assert (precise.prefill.engines, precise.prefill.units) == (2, 2)
+    assert (precise.prefill.engines, precise.prefill.units, precise.prefill.share) == (2, 2, 1)
     assert (precise.decode.engines, precise.decode.units) == (1, 4)
     # `pdserve up`'s step bounds apply to the stack's pools, not to `serve`'s one engine
     assert (precise.prefill.max_num_batched_tokens,
             precise.prefill.long_prefill_token_threshold) == (512, 256)
     assert precise.decode.max_num_batched_tokens == 512
     assert wide[COLOCATED].decode.max_num_batched_tokens == 0
+    with pytest.raises(ValueError, match="multiple of the cores"):
+        fleet_configs(["precise"], 3, 2, 4)
 
 
-def test_planner_requests_leave_the_reused_prefix_out_but_one_token() -> None:
-    reqs = planner_requests([0.0, 1.5], [300, 128], [10, 4], [128, 128])
-    assert [(r.send_s, r.prompt, r.out) for r in reqs] == [(0.0, 172, 10), (1.5, 1, 4)]
-    whole = planner_requests([0.0, 1.5], [300, 128], [10, 4], None)
-    assert [r.prompt for r in whole] == [300, 128]
+def test_planner_requests_carry_their_blocks_and_turn_order() -> None:
+    first = list(range(300))
+    later = first[:256] + [7] * 44  # the same two whole blocks, then its own
+    reqs = planner_requests([0.0, 1.5], [first, later], [10, 4], [None, 0], block_tokens=128)
+    assert [(r.send_s, r.prompt, r.out, r.after) for r in reqs] == [(0.0, 300, 10, None),
+                                                                     (1.5, 300, 4, 0)]
+    assert len(reqs[0].blocks) == 2 and reqs[1].blocks == reqs[0].blocks
+    alone = planner_requests([0.0], [[9] * 127], [1])
+    assert alone[0].blocks == () and alone[0].after is None  # no whole block: no key
 
 
 def test_planner_error_is_the_median_over_figures_with_a_measurement() -> None:
