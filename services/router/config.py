@@ -48,8 +48,8 @@ class RouterConfig(BaseSettings):
         json_schema_extra=ADVANCED)
     # A hang costs silence + probe before the stream moves. Silence only triggers a
     # probe, so it can be short; the probe's timeout must cover a live worker whose
-    # process is starved by its engine on a busy core: at 0.5 s one such worker was
-    # taken for hung on two cores (BENCHMARKS.md, "Handoff stall"), at 1 s none was.
+    # process is starved by its engine on a busy core (BENCHMARKS.md, "Handoff stall",
+    # measures where a shorter one starts taking live workers for hung).
     stream_silence_s: float = Field(
         0.5, gt=0, description="router: a worker silent this long in a request is probed "
         "for liveness; one that does not answer is treated as failed (a hang)",

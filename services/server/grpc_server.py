@@ -9,6 +9,7 @@ import asyncio
 import contextlib
 import logging
 import signal
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -18,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.server.channels import grpc_options
+from services.server.inflight import InFlight
 from services.server.listener import Listener
 from services.server.settings import ServerSettings
 
@@ -75,6 +77,16 @@ async def start_health_only(health_servicer: health.aio.HealthServicer, host: st
     return server
 
 
+async def drain(server: grpc.aio.Server, inflight: InFlight, grace_s: float) -> None:
+    """The calls in flight get up to `grace_s` to end with the port still open (health
+    checks answered, new calls refused), then the server stops, cutting what is left."""
+    started = time.monotonic()
+    if not await inflight.drain(grace_s):
+        log.warning("%d call(s) still running after the %.0f s grace period: cut",
+                    inflight.calls, grace_s)
+    await server.stop(max(0.0, grace_s - (time.monotonic() - started)))
+
+
 async def serve(
     config: ServerSettings,
     services: Sequence[Service],
@@ -88,7 +100,8 @@ async def serve(
     """Serve `services` plus health (and reflection when `listener` allows it) on
     `listener`'s port until SIGTERM/SIGINT (or `stop` is set), then drain gracefully;
     `companions` start once the port listens and stop with it."""
-    server = grpc.aio.server(interceptors=listener.interceptors(),
+    inflight = InFlight()
+    server = grpc.aio.server(interceptors=[*listener.interceptors(), inflight],
                              options=grpc_options(config.max_message_bytes))
     for service in services:
         service.register(server)
@@ -120,6 +133,7 @@ async def serve(
     log.info("shutting down: draining for up to %.0f s", config.grace_s)
     # NOT_SERVING first, so load balancers stop sending new work while streams finish.
     await health_servicer.enter_graceful_shutdown()
-    await asyncio.gather(server.stop(config.grace_s), *(c.stop() for c in companions))
+    await asyncio.gather(drain(server, inflight, config.grace_s),
+                         *(c.stop() for c in companions))
     if health_only is not None:
         await health_only.stop(None)
