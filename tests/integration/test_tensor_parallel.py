@@ -4,11 +4,9 @@ one at TP=1, its two ranks each bound to a core of their own; and `serve --mode 
 with a prefill worker at TP=a feeding a decode worker at TP=b, for (a, b) in (1, 1),
 (2, 1), (1, 2), (2, 2), gives the colocated TP=1 engine's tokens from KV moved between
 the two layouts (each prefill rank ships its heads to the decode ranks that hold them),
-through shared memory, and for two uneven pairs over torch and NIXL;
-and when the decode worker of a (2, 1) pair is killed mid-answer, its streams move to the
-prefill worker, an engine of another TP size, and end as the colocated engine's.
-`pdserve up` pairs a prefill worker at TP=1 with a decode worker at TP=2 through the
-registry (its record lists a KV receiver per rank).
+through shared memory, and for two uneven pairs over torch and NIXL.
+`test_tensor_parallel_stacks.py` takes the same model through `pdserve up` and through a
+decode worker's SIGKILL.
 
 On a 2-core machine the engines share the cores (the TP=1 engine on core 1, the TP=2
 engine's ranks on cores 0 and 1; a disaggregated worker at TP=2 puts both its ranks on
@@ -17,8 +15,6 @@ its one core): oversubscribed, which changes speed, not results."""
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -28,12 +24,8 @@ import pytest
 
 from pdserve.v1 import generate_pb2 as pb
 from services.api.client import PdserveClient, build_request
-from tests.helpers.prompts import prompt_of_length
 from tests.helpers.servers import DisaggStack, ServerProcess
-from tests.helpers.streams import streams_through
 from tests.helpers.tiny_llama import make_tiny_llama
-from tests.integration.test_failover_local import listener_pid
-from tests.integration.test_launcher import Up
 
 pytestmark = [pytest.mark.engine, pytest.mark.slow]
 
@@ -182,74 +174,6 @@ async def test_disagg_between_tp_layouts_gives_the_colocated_tokens(
             final, disagg.server.log_tail(80))
         assert SHIPPED.setdefault(prompt, shipped) == shipped, (prompt, SHIPPED, shipped)
     assert "KV load for" not in log  # no load failed, none was recomputed
-
-
-@pytest.fixture(scope="module")
-async def up_stack(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> AsyncIterator[Up]:
-    """`pdserve up` (Ray, redis-server, the workers as actors) with a prefill worker at
-    TP=1 and a decode worker at TP=2, each on its own core."""
-    stack = Up(tmp_path_factory.mktemp("tp-up"), "--model", str(tiny_model),
-               "--max-model-len", "512", "--prefill-tp", "1", "--decode-tp", "2",
-               "--kv-load-failure-policy", "fail")
-    async with stack.serving() as running:
-        yield running
-
-
-async def test_up_pairs_workers_of_different_tp_sizes_through_the_registry(
-        engines: dict[int, ServerProcess], up_stack: Up) -> None:
-    """The decode worker's record names a KV receiver per rank; the router hands them to
-    the prefill worker, whose one rank ships each decode rank its head: the colocated
-    tokens, from KV loaded whole."""
-    records = {r.role: r for r in await up_stack.records()}
-    decode, prefill = records["decode"], records["prefill"]
-    assert (decode.tp, decode.kv_heads, len(decode.kv_addresses)) == (2, 1, 2)
-    assert decode.kv_addresses[0] == decode.kv_address
-    assert (prefill.tp, prefill.kv_heads, prefill.kv_addresses) == (1, 2, ())
-    assert prefill.fingerprint == decode.fingerprint  # the model's layout, not a rank's
-    for prompt in PROMPTS:
-        reference = await greedy(engines[1], prompt)
-        got, final = await greedy_final(f"127.0.0.1:{up_stack.port}", prompt)
-        assert_same_greedy(reference, got, f"up 1->2, {prompt!r}")
-        shipped = final.timings.kv_transfer_bytes
-        assert shipped > 0 and final.timings.kv_prompt_bytes == shipped, final
-        assert SHIPPED.setdefault(prompt, shipped) == shipped, (prompt, SHIPPED, shipped)
-
-
-@pytest.fixture(scope="module")
-async def killable(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory
-                   ) -> AsyncIterator[DisaggStack]:
-    """A pair of its own (the test kills its decode worker): prefill at TP=2, decode at
-    TP=1."""
-    stack = DisaggStack.create(tmp_path_factory.mktemp("tp-kill") / "disagg.log", "grpc",
-                               "--model", str(tiny_model), "--max-model-len", "512",
-                               "--prefill-tp", "2", "--decode-tp", "1")
-    async with stack.server.running(timeout=600):
-        yield stack
-
-
-async def test_a_killed_decode_worker_moves_its_streams_to_a_worker_of_another_tp_size(
-        engines: dict[int, ServerProcess], killable: DisaggStack, tokenizer) -> None:  # type: ignore[no-untyped-def]
-    """The decode worker (TP=1) is SIGKILLed mid-answer: every stream moves to the prefill
-    worker (a full engine at TP=2) and ends with the colocated TP=1 engine's tokens (a
-    flip only at a near-tie)."""
-    prompts = [prompt_of_length(tokenizer, n, salt=f"tp crash {n}") for n in (50, 300)]
-    n = 40
-    decode_pid = listener_pid(killable.decode_port)
-    results = await streams_through(killable.server, prompts, n,
-                                    lambda: os.killpg(decode_pid, signal.SIGKILL))
-    for ids, (tokens, moved) in zip(prompts, results, strict=True):
-        assert moved >= 1
-        want, _ = await greedy_final(engines[1], ids, n)
-        want_tokens = [t for t, _ in want]
-        if tokens == want_tokens:
-            continue
-        first = next(i for i, (a, b) in enumerate(zip(tokens, want_tokens, strict=True))
-                     if a != b)
-        top = want[first][1]
-        print(f"moved stream: tokens differ from position {first}; top-2 gap there "
-              f"{top[0] - top[1]:.2e}")
-        assert top[0] - top[1] < NEAR_TIE
 
 
 def refuse(tiny_model: Path, *argv: str) -> subprocess.CompletedProcess[str]:
