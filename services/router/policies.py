@@ -36,6 +36,9 @@ class Flight:
 
     worker_id: str
     prompt_tokens: int  # still to prefill there; 0 once its first token came back
+    # Of those, the leading tokens the worker's prefix cache holds (the index's hits):
+    # looked up, not computed. Its queue counts whole prompts (vLLM's does).
+    cached: int = 0
     sent: float = field(default_factory=time.time)  # wall clock, as reports are stamped
 
 
@@ -53,8 +56,8 @@ class LocalLoad:
     # worker id -> (sent, prefilled at, prompt tokens) of prompts prefilled lately
     drained: dict[str, list[tuple[float, float, int]]] = field(default_factory=dict)
 
-    def sent(self, worker_id: str, prompt_tokens: int) -> Flight:
-        flight = Flight(worker_id, prompt_tokens)
+    def sent(self, worker_id: str, prompt_tokens: int, cached: int = 0) -> Flight:
+        flight = Flight(worker_id, prompt_tokens, min(cached, prompt_tokens))
         self.flights.setdefault(worker_id, set()).add(flight)
         return flight
 
@@ -62,7 +65,7 @@ class LocalLoad:
         if flight.prompt_tokens:
             self.drained.setdefault(flight.worker_id, []).append(
                 (flight.sent, time.time(), flight.prompt_tokens))
-        flight.prompt_tokens = 0
+        flight.prompt_tokens = flight.cached = 0
 
     def stale_queued(self, w: WorkerRecord) -> int:
         """Prompt tokens `w`'s last report counts as queued that were prefilled since
@@ -90,7 +93,15 @@ class LocalLoad:
         return len(self._unreported(w))
 
     def prompt_tokens(self, w: WorkerRecord) -> int:
-        return sum(f.prompt_tokens for f in self._unreported(w))
+        """Prompt tokens `w` has to compute for what this router sent it since its last
+        report (cached prefixes left out)."""
+        return sum(f.prompt_tokens - f.cached for f in self._unreported(w))
+
+    def cached_reported(self, w: WorkerRecord) -> int:
+        """Cached prefix tokens of prompts `w`'s last report counts as queued that are
+        still prefilling: its queue counts them, but they cost a lookup, not compute."""
+        return sum(f.cached for f in self.flights.get(w.worker_id, ())
+                   if f.sent <= w.updated and f.prompt_tokens)
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,6 +114,9 @@ class Choice:
     # The prompt's leading tokens the decode worker's engine caches (precise index only;
     # 0 otherwise or without a prefill worker): their KV is not shipped.
     reuse_tokens: int = 0
+    # The prompt's leading tokens the prefill worker's cache holds, as the index says:
+    # not computed there, so not counted in its queue.
+    prefill_cached: int = 0
 
 
 class Policy(Protocol):
@@ -118,10 +132,12 @@ def decode_has_room(d: WorkerRecord, local: LocalLoad) -> bool:
 
 
 def prefill_queue(p: WorkerRecord, local: LocalLoad) -> int:
-    """Prompt tokens waiting on a prefill worker: its last report, less what this router
-    saw prefilled since, plus what it sent it since."""
-    return (max(0, p.load.queued_prompt_tokens - local.stale_queued(p))
-            + local.prompt_tokens(p))
+    """Prompt tokens waiting to be computed on a prefill worker: its last report, less
+    what this router saw prefilled since and the cached prefixes of what it sent there,
+    plus what it sent it since. A worker holding a conversation's prefix is not charged
+    for the turns it only looks up."""
+    reported = p.load.queued_prompt_tokens - local.stale_queued(p) - local.cached_reported(p)
+    return max(0, reported) + local.prompt_tokens(p)
 
 
 def prefill_pool_full(choice: Choice, local: LocalLoad, max_queued_tokens: int) -> str | None:

@@ -409,6 +409,8 @@ class RouterBackend:
         _count_hits(choice, route)
         if choice.prefill is not None and route.decode_hits.get(choice.decode.worker_id):
             choice = replace(choice, reuse_tokens=route.decode_hits[choice.decode.worker_id])
+        if choice.prefill is not None and route.prefix_hits.get(choice.prefill.worker_id):
+            choice = replace(choice, prefill_cached=route.prefix_hits[choice.prefill.worker_id])
         return choice
 
     async def _route_input(self, req: GenerationRequest, prefills: list[WorkerRecord],
@@ -545,7 +547,7 @@ class RouterBackend:
                    events: RequestEvents) -> AsyncIterator[Delta]:
         p, d = choice.prefill, choice.decode
         tokens = len(req.prompt_token_ids)
-        flights = [self.local.sent((p or d).worker_id, tokens)]
+        flights = [self.local.sent((p or d).worker_id, tokens, choice.prefill_cached)]
         if p is not None:
             flights.append(self.local.sent(d.worker_id, 0))
         target = wpb.KVTarget(worker_id=d.worker_id, epoch=d.epoch, kv_address=d.kv_address,

@@ -50,6 +50,28 @@ def test_prefill_by_queued_tokens_including_local_in_flight() -> None:
     assert policy.choose(prefills, decodes, RouteInput(50), local).prefill.worker_id == "p2"  # type: ignore[union-attr]
 
 
+def test_a_conversations_next_turn_stays_with_the_worker_prefilling_its_last_one() -> None:
+    """The worker holding a conversation's prefix is busy with another turn it mostly
+    looks up: its queue counts that turn's cached prefix (vLLM's queue counts whole
+    prompts), which the router takes off, so the next turn goes where its prefix is
+    rather than to an idle worker that would compute it all again."""
+    import time
+
+    from services.router.policies import prefill_queue
+
+    local = LocalLoad()
+    local.sent("p1", 1963, cached=1024)  # the other conversation's turn, still prefilling
+    reported = worker("p1", "prefill", updated=time.time() + 1, queued_prompt_tokens=1963)
+    idle = worker("p2", "prefill", updated=time.time() + 1)
+    assert prefill_queue(reported, local) == 939  # what p1 still computes
+    unreported = worker("p1", "prefill", updated=time.time() - 60)
+    assert prefill_queue(unreported, local) == 939  # the same from the router's own count
+    route = RouteInput(1949, {"p1": 1920, "p2": 128}, precise=True)
+    choice = LoadAware().choose([reported, idle], [worker("d1", "decode")], route, local)
+    assert choice is not None and choice.prefill is not None
+    assert (choice.prefill.worker_id, choice.reason) == ("p1", "prefix")
+
+
 def test_a_prompt_prefilled_since_the_report_leaves_the_reported_queue() -> None:
     """A report written while a prompt was queued still counts it after its first token
     came back: the router takes it off until a later report shows the queue without it,
