@@ -13,9 +13,25 @@ fresh prompt content (its seed + k), so no run finds another's prefixes cached.
 
 Compared, as the two tools define them:
   * TTFT: both, per request; the p50 and the mean over the window's requests;
-  * ITL: AIPerf's `inter_token_latency` is per request (end - first token) / (output
-    tokens - 1), which is `pdserve bench`'s TPOT; its p50 and mean.
+  * ITL: AIPerf's `inter_token_latency` is per request (last content chunk - first token)
+    / (output tokens - 1), which is `pdserve bench`'s TPOT; its p50 and mean. Both count
+    output tokens from the server's usage (AIPerf with `--use-server-token-count`; by
+    default it re-tokenizes the streamed text, which can differ from the server's count).
 They agree when the two tools' intervals over their runs overlap.
+
+Both tools stamp a streamed event with the time their client read it off the socket
+(AIPerf: the time of the network read the event arrived in), so a client that reads
+late sees TTFT late and several events at once, and its ITL shrinks (to 0 for a request
+read whole in one read). AIPerf is several processes where `pdserve bench` is one, and
+on a small host shared with busy engines it can fall seconds behind, which it reports
+itself: the lag of its sends behind the schedule and its event loops' stalls. Both are
+kept with each run (with `pdserve bench`'s own send lag), with the requests each tool
+completed, so a disagreement can be told from a client that was not keeping up. AIPerf
+runs with the fewest processes it allows (one worker and one record processor, no
+server-metrics or GPU-telemetry collectors). On a host whose cores the engines keep busy
+(CPU engines do), an ordinary-priority client can wait seconds for a core, whichever the
+tool; `--client-priority` runs both tools' clients at a real-time priority, as
+`services/bench/netdelay.py` runs its delayer for the same reason.
 
 AIPerf is installed in a virtual environment of its own (it pins other versions of the
 libraries pdserve uses) and named with --aiperf:
@@ -33,6 +49,7 @@ import asyncio
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -110,13 +127,15 @@ def run_aiperf(args: argparse.Namespace, base_url: str, trace_file: Path, block:
            "--input-file", str(trace_file), "--custom-dataset-type", "mooncake-trace",
            "--fixed-schedule", "--fixed-schedule-auto-offset", "--isl-block-size", str(block),
            "--extra-inputs", json.dumps({"ignore_eos": True}), "--random-seed", str(seed),
+           "--use-server-token-count", "--workers-max", "1", "--record-processors", "1",
+           "--no-server-metrics", "--no-gpu-telemetry",
            "--ui-type", "none", "--artifact-dir", str(out)]
     # The tokenizer is a local folder: nothing needs the model hub.
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
            "HF_HUB_CACHE": str(hub)}
     with (out.parent / f"{out.name}.log").open("wb") as log:
-        subprocess.run(cmd, check=True, stdout=log, stderr=subprocess.STDOUT, cwd=ROOT,
-                       timeout=args.run_timeout, env=env)
+        subprocess.run(prioritized(args, cmd), check=True, stdout=log,
+                       stderr=subprocess.STDOUT, cwd=ROOT, timeout=args.run_timeout, env=env)
     found = sorted(out.rglob("profile_export_aiperf.json"))
     if not found:
         raise RuntimeError(f"AIPerf wrote no profile_export_aiperf.json under {out}")
@@ -127,7 +146,40 @@ def run_aiperf(args: argparse.Namespace, base_url: str, trace_file: Path, block:
         if not entry or entry.get(stat) is None or entry.get("unit") not in UNITS:
             raise RuntimeError(f"{found[-1]}: no {metric} {stat} in a known unit: {entry}")
         figures[name] = float(entry[stat]) * UNITS[entry["unit"]]
-    return figures
+    log = (out.parent / f"{out.name}.log").read_text(errors="replace")
+    return {**figures, "completed": aiperf_count(doc, "request_count"),
+            "failed": aiperf_count(doc, "error_request_count"),
+            "send_lag_p90_s": aiperf_seconds(doc, "replay_sched_lag_p90"),
+            "client_stall_max_s": worker_stall_s(log)}
+
+
+def aiperf_count(doc: dict[str, Any], metric: str) -> int:
+    entry = doc.get(metric) or {}  # AIPerf leaves a count out when it is zero
+    return int(entry.get("avg") or 0)
+
+
+def aiperf_seconds(doc: dict[str, Any], metric: str) -> float:
+    entry = doc.get(metric) or {}
+    if entry.get("avg") is None or entry.get("unit") not in UNITS:
+        return math.nan
+    return float(entry["avg"]) * UNITS[entry["unit"]]
+
+
+STALL = re.compile(r"Event loop for (\S+) is taking too long to run\. "
+                   r"Overhead: ([\d,.]+)ms")
+
+
+def worker_stall_s(log: str) -> float:
+    """The longest stall AIPerf logged of one of its event loops: its timing manager's
+    delays sends, its worker's the stamping of every event that arrives meanwhile."""
+    return max((float(m[2].replace(",", "")) / 1e3 for m in STALL.finditer(log)),
+               default=0.0)
+
+
+def prioritized(args: argparse.Namespace, cmd: list[str]) -> list[str]:
+    """`cmd` at real-time priority when asked (its children inherit it), as both tools'
+    clients must be for their stamps to be the server's timing, not the host's."""
+    return ["chrt", "--fifo", str(args.client_priority), *cmd] if args.client_priority else cmd
 
 
 def run_bench(args: argparse.Namespace, base_url: str, out: Path, seed: int,
@@ -138,10 +190,17 @@ def run_bench(args: argparse.Namespace, base_url: str, out: Path, seed: int,
            "--trace-sample-seed", str(args.seed), "--trace-rate", str(args.trace_rate),
            "--max-model-len", str(args.max_model_len), "--no-turn-order",
            "--seed", str(seed), "--output-dir", str(out), "--no-plots", "--no-progress"]
-    subprocess.run(cmd, check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
+    subprocess.run(prioritized(args, cmd), check=True, cwd=ROOT, stdout=subprocess.DEVNULL,
                    timeout=args.run_timeout)
     summary = json.loads((out / "summary.json").read_text())["runs"][0]
-    return {name: float(summary[key][stat]) for name, _, (key, stat) in FIGURES}
+    lags = []
+    for line in (out / "requests.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("send_time") is not None and rec.get("scheduled_s") is not None:
+            lags.append(rec["send_time"] - summary["started_at"] - rec["scheduled_s"])
+    return {**{name: float(summary[key][stat]) for name, _, (key, stat) in FIGURES},
+            "completed": int(summary["completed"]), "failed": int(summary["failed"]),
+            "send_lag_p90_s": float(np.percentile(lags, 90)) if lags else math.nan}
 
 
 async def main(args: argparse.Namespace) -> dict[str, Any]:
@@ -198,6 +257,13 @@ def print_table(result: dict[str, Any]) -> None:
     for name, row in result["rows"].items():
         print(f"{name:<12} {cell(row['pdserve_bench']):>26} {cell(row['aiperf']):>26}  "
               f"{'yes' if row['agree'] else 'no'}")
+    print("per run: requests completed/failed, send lag p90 (s), AIPerf event-loop stall "
+          "max (s)")
+    for tool, runs in result["per_run"].items():
+        for k, r in enumerate(runs, 1):
+            stall = f", stall {r['client_stall_max_s']:.2f}" if "client_stall_max_s" in r else ""
+            print(f"  {tool} {k}: {r['completed']}/{r['failed']}, "
+                  f"lag {r['send_lag_p90_s']:.2f}{stall}")
 
 
 def cli() -> None:
@@ -219,6 +285,10 @@ def cli() -> None:
     parser.add_argument("--model", default="", help="served model name (default: asked)")
     parser.add_argument("--run-timeout", type=float, default=600.0,
                         help="seconds one run of either tool may take")
+    parser.add_argument("--client-priority", type=int, default=0,
+                        help="run both tools at this SCHED_FIFO priority (chrt; needs "
+                        "CAP_SYS_NICE), so busy engines cannot hold their clients off a core; "
+                        "0: the ordinary scheduler")
     parser.add_argument("--workdir", default="bench-results/trace_aiperf")
     parser.add_argument("--json", default="", help="write the comparison here as JSON")
     args = parser.parse_args()

@@ -36,6 +36,7 @@ class Choice:
     text_offset: int = 0  # completions' logprobs count characters from the answer's start
     calls: CallStream | None = None  # reads tool calls out of the text, when asked for
     content: list[str] = field(default_factory=list)  # the text outside tool calls
+    tokens: int = 0  # completion tokens so far
 
 
 @dataclass
@@ -128,6 +129,7 @@ class Answer:
             if self.n > 1:
                 return None
         c = self.choice(delta.index)
+        c.tokens += len(delta.token_ids)
         c.texts.append(delta.text)
         logprobs = None
         if self.top_logprobs is not None and delta.logprobs:
@@ -158,6 +160,13 @@ class Answer:
                 "completion_tokens": self.completion_tokens,
                 "total_tokens": self.prompt_tokens + self.completion_tokens,
                 "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
+
+    def running_usage(self, index: int | None) -> dict[str, int]:
+        """The usage so far, for a streamed chunk (vLLM's continuous usage stats): the
+        completion tokens of choice `index` (as vLLM counts them), None: of all."""
+        done = self.completion_tokens if index is None else self.choice(index).tokens
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
 
     def timings(self) -> dict[str, float]:
         """Server-side anatomy in seconds, named as in the gRPC API's Timings message."""

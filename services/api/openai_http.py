@@ -167,17 +167,26 @@ class EventStream(StreamingResponse):
 
 
 async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
-                        include_usage: bool) -> AsyncGenerator[str, None]:
-    """SSE events of one answer, ending with `data: [DONE]`. An error before the first
-    delta propagates (EventStream answers it with a status); later ones become an error
-    event, as in vLLM. Closing this generator closes `deltas`, aborting the request."""
+                        include_usage: bool,
+                        continuous_usage: bool = False) -> AsyncGenerator[str, None]:
+    """SSE events of one answer, ending with `data: [DONE]`: one per delta, as vLLM sends
+    one per engine step; with `include_usage` a last chunk with the usage and no choices,
+    and with `continuous_usage` the usage so far on every chunk too (vLLM's
+    `continuous_usage_stats`, which tells a client how many tokens each chunk carried).
+    An error before the first delta propagates (EventStream answers it with a status);
+    later ones become an error event, as in vLLM. Closing this generator closes
+    `deltas`, aborting the request."""
     started = False
+
+    def running(index: int | None = 0) -> dict[str, Any]:
+        return {"usage": answer.running_usage(index)} if continuous_usage else {}
+
     try:
         async for delta in deltas:
             if not started and answer.chat:
-                yield sse(answer.chunk(answer.role_choices()))
+                yield sse(answer.chunk(answer.role_choices(), **running()))
             elif not started and answer.echo:
-                yield sse(answer.chunk(answer.echo_choices()))
+                yield sse(answer.chunk(answer.echo_choices(), **running()))
             started = True
             choice = answer.add(delta)
             # The timing anatomy rides on the usage chunk, or else on the last chunk.
@@ -185,6 +194,7 @@ async def stream_events(answer: Answer, deltas: AsyncGenerator[Delta, None],
             if choice is None and not last:
                 continue  # the end of n > 1 choices, each of which ended on its own
             yield sse(answer.chunk([choice] if choice else [],
+                                   **running(choice["index"] if choice else None),
                                    **({"pdserve": answer.extension()} if last else {})))
         if include_usage:
             yield sse(answer.chunk([], usage=answer.usage(), pdserve=answer.extension()))
@@ -233,7 +243,8 @@ class OpenAIFront:
         deltas = deltas_of(self.backend, req)
         headers = {"X-Request-Id": request_id}
         if body.stream:
-            return EventStream(stream_events(answer, deltas, body.include_usage), chat, headers)
+            return EventStream(stream_events(answer, deltas, body.include_usage,
+                                             body.continuous_usage), chat, headers)
         try:
             finished, _ = await until_disconnect(request.receive, answer.collect(deltas))
         except PdserveError as e:

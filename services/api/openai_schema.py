@@ -49,6 +49,7 @@ class _Body(BaseModel):
 
 class StreamOptions(_Body):
     include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False  # vLLM's: usage on every chunk as well
 
 
 class _Sampling(_Body):
@@ -85,6 +86,12 @@ class _Sampling(_Body):
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every streamed chunk too; as in vLLM, only with `include_usage`."""
+        return self.include_usage and bool(
+            self.stream_options and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_Sampling):

@@ -101,6 +101,60 @@ def test_sync_client_stream_and_timings(colocated: ServerProcess) -> None:
     assert pieces[-1].usage.completion_tokens == whole.usage.completion_tokens
 
 
+async def sse_events(http: httpx.AsyncClient, path: str,
+                     body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The JSON events of one raw SSE stream, up to `data: [DONE]`."""
+    events: list[dict[str, Any]] = []
+    async with http.stream("POST", path, json=body) as resp:
+        assert resp.status_code == 200
+        async for line in resp.aiter_lines():
+            if line == "data: [DONE]":
+                return events
+            if line.startswith("data: "):
+                events.append(json.loads(line.removeprefix("data: ")))
+    raise AssertionError(f"the stream ended without data: [DONE] after {events}")
+
+
+async def test_stream_usage_as_vllm_sends_it(http: httpx.AsyncClient) -> None:
+    """Usage in a stream as vLLM sends it, which benchmark clients (AIPerf) read: none
+    unless asked; with `include_usage` a last chunk without choices; with
+    `continuous_usage_stats` as well, the tokens so far on every chunk, each chunk
+    carrying one engine step's tokens or more, never none."""
+    body = {**LONG, "model": MODEL, "max_tokens": 12, "stream": True}
+    plain = await sse_events(http, "/v1/completions", body)
+    alone = await sse_events(http, "/v1/completions",
+                             {**body, "stream_options": {"continuous_usage_stats": True}})
+    last_only = await sse_events(http, "/v1/completions",
+                                 {**body, "stream_options": {"include_usage": True}})
+    running = await sse_events(http, "/v1/completions", {**body, "stream_options": {
+        "include_usage": True, "continuous_usage_stats": True}})
+    text = "".join(e["choices"][0]["text"] for e in plain)
+    assert all(e["choices"] and "usage" not in e for e in [*plain, *alone])
+    assert plain[-1]["choices"][0]["finish_reason"] == "length"
+    for events in (last_only, running):
+        *chunks, last = events
+        assert last["choices"] == [] and last["usage"]["completion_tokens"] == 12
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text
+    assert all("usage" not in c for c in last_only[:-1])
+    prompt = running[-1]["usage"]["prompt_tokens"]
+    counts = [0]
+    for c in running[:-1]:
+        usage = c["usage"]
+        assert usage["prompt_tokens"] == prompt
+        assert usage["total_tokens"] == prompt + usage["completion_tokens"]
+        assert usage["completion_tokens"] > counts[-1]  # every chunk carries new tokens
+        counts.append(usage["completion_tokens"])
+    assert counts[-1] == 12
+
+    chat = await sse_events(http, "/v1/chat/completions", {
+        "model": MODEL, "messages": CHAT, "max_tokens": 6, "temperature": 0,
+        "ignore_eos": True, "stream": True,
+        "stream_options": {"include_usage": True, "continuous_usage_stats": True}})
+    assert chat[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert chat[0]["usage"]["completion_tokens"] == 0  # the role comes before any token
+    assert [c["usage"]["completion_tokens"] for c in chat[1:]][-2:] == [6, 6]
+
+
 async def test_logprobs(colocated: ServerProcess) -> None:
     async with async_client(colocated) as client:
         comp = await client.completions.create(model=MODEL, prompt="Hello", temperature=0,
