@@ -39,7 +39,7 @@ libraries pdserve uses) and named with --aiperf:
     python -m venv /tmp/aiperf && /tmp/aiperf/bin/pip install aiperf
     python benchmarks/trace_aiperf.py --aiperf /tmp/aiperf/bin/aiperf \\
         --trace ../shared/traces/mooncake_conversation.jsonl --conversations 6 \\
-        --trace-rate 0.5 --runs 3 --json bench-results/trace_aiperf.json
+        --trace-rate 0.5 --runs 3 --client-priority 1 --json bench-results/trace_aiperf.json
 """
 
 from __future__ import annotations
