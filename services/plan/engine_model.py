@@ -69,7 +69,7 @@ class Job:
     out: int  # tokens this engine emits
     context: int = 0  # tokens already in its KV cache (a shipped request's prompt less one)
     handoff_s: float = 0.0  # stall added to the step that first schedules it
-    blocks: tuple[int, ...] = ()  # chained keys of the prompt's whole blocks (prefix_cache.py)
+    blocks: tuple[bytes, ...] = ()  # chained keys of the prompt's whole blocks (prefix_cache.py)
     stored: int = 0  # of ``blocks``, those this engine holds for it
     computed: int = 0
     scheduled_at: float = -1.0  # when a step first scheduled it

@@ -105,7 +105,7 @@ class SimRequest:
     prompt: int
     out: int
     kind: str = ""
-    blocks: tuple[int, ...] = ()  # chained keys of the prompt's whole blocks
+    blocks: tuple[bytes, ...] = ()  # chained keys of the prompt's whole blocks
     after: int | None = None  # the request (index) this one follows: an earlier turn
 
 

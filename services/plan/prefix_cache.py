@@ -16,17 +16,16 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from services.router.prefix import block_digests
 
-def block_keys(token_ids: Sequence[int], block_tokens: int) -> tuple[int, ...]:
-    """The chained keys of the whole ``block_tokens``-token blocks of ``token_ids``."""
+
+def block_keys(token_ids: Sequence[int], block_tokens: int) -> tuple[bytes, ...]:
+    """The chained keys of the whole ``block_tokens``-token blocks of ``token_ids``: the
+    router's own block hashes (services/router/prefix.py), every block of the prompt."""
     if block_tokens < 1:
         raise ValueError("block_tokens must be >= 1")
-    keys: list[int] = []
-    parent = 0
-    for i in range(len(token_ids) // block_tokens):
-        parent = hash((parent, tuple(token_ids[i * block_tokens:(i + 1) * block_tokens])))
-        keys.append(parent)
-    return tuple(keys)
+    return tuple(block_digests(token_ids, block_tokens,
+                               max_blocks=len(token_ids) // block_tokens))
 
 
 class PrefixCache:
@@ -38,15 +37,15 @@ class PrefixCache:
         if capacity < 0:
             raise ValueError("a prefix cache's capacity cannot be negative")
         self.capacity = capacity
-        self._blocks: OrderedDict[int, None] = OrderedDict()
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._blocks)
 
-    def __contains__(self, key: int) -> bool:
+    def __contains__(self, key: bytes) -> bool:
         return key in self._blocks
 
-    def hits(self, keys: Sequence[int]) -> int:
+    def hits(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of ``keys`` held here, without touching them (what an index
         reports to the router)."""
         n = 0
@@ -56,7 +55,7 @@ class PrefixCache:
             n += 1
         return n
 
-    def match(self, keys: Sequence[int]) -> int:
+    def match(self, keys: Sequence[bytes]) -> int:
         """Leading blocks of ``keys`` held here; those found become the most recently
         used (an engine reusing them)."""
         n = self.hits(keys)
@@ -64,7 +63,7 @@ class PrefixCache:
             self._blocks.move_to_end(key)
         return n
 
-    def insert(self, keys: Sequence[int]) -> None:
+    def insert(self, keys: Sequence[bytes]) -> None:
         """Holds ``keys`` (most recently used last), evicting the least recently used
         blocks beyond the capacity."""
         for key in keys:
