@@ -11,6 +11,7 @@ Two hosts, one of them serving TCP; the other connects and echoes.
 from __future__ import annotations
 
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -93,6 +94,16 @@ print(ok)
     return int(fabric.run("client", [sys.executable, "-c", code]).stdout)
 
 
+def reachable_again(fabric: Fabric, within_s: float = 10.0) -> bool:
+    """Whether a connection gets through within `within_s` of a restore: a bridge port
+    brought back up forwards again after a moment, not at once."""
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        if connects(fabric, 1):
+            return True
+    return False
+
+
 def test_delay_holds_each_packet_a_host_receives(pair: tuple[Fabric, Path]) -> None:
     fabric, logs = pair
     base = round_trips(fabric, 10)
@@ -139,6 +150,7 @@ def test_cuts_stop_everything_until_restored(pair: tuple[Fabric, Path]) -> None:
             assert connects(fabric, 3, timeout=0.3) == 0
         finally:
             restore()
+        assert reachable_again(fabric)
         assert connects(fabric, 5) == 5
     # heal() undoes whatever is still in place.
     fabric.cut_between("client", "server")
